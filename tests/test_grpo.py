@@ -1,0 +1,126 @@
+"""The hand-written GRPO loss, the GradScaler update, the warm start and a few real RL steps."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import train_grpo
+from conftest import tiny_args
+from precision import get_precision
+from train_grpo import group_advantages, grpo_loss, optimizer_step
+
+# Two sequences of three response tokens; the second one's last token is padding.
+MASK = torch.tensor([[1., 1., 1.], [1., 1., 0.]])
+ADV = torch.tensor([1.0, -1.0])
+
+
+def test_group_advantages():
+    r = torch.tensor([1., 0., 0., 0., 1., 1., 1., 1.])
+    # group 1: mean 0.25, unbiased std 0.5; group 2: every reward equal -> no signal
+    assert torch.allclose(group_advantages(r, 4), torch.tensor([1.5, -.5, -.5, -.5, 0., 0., 0., 0.]), atol=1e-5)
+    assert torch.allclose(group_advantages(r, 4, scale_by_std=False), torch.tensor([.75, -.25, -.25, -.25, 0, 0, 0, 0]))
+
+
+def test_ppo_clipping_both_sides_masking_and_token_mean():
+    old = torch.log(torch.tensor([[0.2, 0.4, 0.5], [0.2, 0.4, 0.5]]))
+    ratio = torch.tensor([[1.5, 0.5, 1.0], [1.5, 0.5, 1.0]])
+    logp = (old + ratio.log()).requires_grad_()
+    loss = grpo_loss(logp, old, old, ADV, MASK, clip_eps=0.2)
+    # A=+1: -min(r, clip r) = -1.2, -0.5, -1.0 ; A=-1: -min(-r, -clip r) = 1.5, 0.8, (masked)
+    assert loss.item() == pytest.approx((-1.2 - 0.5 - 1.0 + 1.5 + 0.8) / 5, abs=1e-6)
+    loss.backward()
+    # clipped tokens (A>0, r>1+eps) and (A<0, r<1-eps) get no gradient; d/dlogp = -A r / n_tokens otherwise
+    expected = torch.tensor([[0.0, -0.5 / 5, -1.0 / 5], [1.5 / 5, 0.0, 0.0]])
+    assert torch.allclose(logp.grad, expected, atol=1e-6)
+
+
+def test_zero_advantage_gives_zero_gradient():
+    old = torch.log(torch.full((2, 3), 0.3))
+    logp = old.clone().requires_grad_()
+    grpo_loss(logp, old, old, torch.zeros(2), MASK).backward()
+    assert torch.count_nonzero(logp.grad) == 0
+
+
+def test_tis_weights_tokens_by_truncated_ratio_to_the_engine():
+    old = torch.log(torch.full((2, 3), 0.3))
+    mu = old - torch.log(torch.tensor([[3.0, 0.5, 1.0], [1.0, 4.0, 1.0]]))  # pi_old / mu
+    loss = grpo_loss(old.clone(), old, mu, ADV, MASK, correction="tis", cap=2.0)
+    # ratio 1; weights min(w, 2): [2, .5, 1] and [1, 2, (masked)]
+    assert loss.item() == pytest.approx((-(2 + 0.5 + 1) + (1 + 2)) / 5, abs=1e-6)
+
+
+def test_mis_drops_sequences_whose_weight_exceeds_the_cap():
+    old = torch.log(torch.full((2, 3), 0.3))
+    w = torch.tensor([[3.0, 0.5, 1.0], [3.0, 1.0, 100.0]])  # seq weights 1.5 (kept), 3.0 (dropped; 100 is padding)
+    loss = grpo_loss(old.clone(), old, old - w.log(), ADV, MASK, correction="mis", cap=2.0)
+    assert loss.item() == pytest.approx(-1.5 * 3 / 5, abs=1e-6)
+    assert grpo_loss(old.clone(), old, old - w.log(), ADV, MASK, correction="none").item() == pytest.approx((-3 + 2) / 5)
+
+
+def test_k3_kl_penalty_is_zero_at_the_reference_and_positive_away():
+    old = torch.log(torch.full((2, 3), 0.3))
+    assert grpo_loss(old.clone(), old, old, torch.zeros(2), MASK, ref_logp=old, kl_coef=0.5).item() == 0
+    r = 0.5  # ref / pi
+    k3 = r - 1 - math.log(r)
+    loss = grpo_loss(old.clone(), old, old, torch.zeros(2), MASK, ref_logp=old + math.log(r), kl_coef=0.5)
+    assert loss.item() == pytest.approx(0.5 * k3, abs=1e-6)
+
+
+def _tiny_model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 2)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+def test_nonfinite_gradient_step_is_skipped_and_weights_untouched(dtype):
+    model, scaler = _tiny_model(), get_precision(dtype, "cpu").grad_scaler()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    scale0 = scaler.get_scale()
+    loss = (model(torch.ones(1, 4)) * torch.tensor([float("inf"), 1.0])).sum()
+    _, skipped = optimizer_step(model, opt, scaler, loss, max_grad_norm=1.0)
+    assert skipped
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    if dtype == "fp16":
+        assert scaler.get_scale() == scale0 / 2  # dynamic loss scaling backs off
+    # a clean step afterwards goes through and moves the weights
+    grad_norm, skipped = optimizer_step(model, opt, scaler, model(torch.ones(1, 4)).sum(), max_grad_norm=1.0)
+    assert not skipped and math.isfinite(grad_norm)
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_warm_start_lowers_loss_and_is_cached(tmp_path):
+    args = tiny_args(str(tmp_path))
+    cfg = train_grpo.model_config(args)
+    ckpt, losses = train_grpo.warm_start(args, cfg, "cpu")
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+    ckpt2, losses2 = train_grpo.warm_start(args, cfg, "cpu")
+    assert ckpt2 == ckpt and losses2 is None  # reused, not retrained
+    other, _ = train_grpo.warm_start(tiny_args(str(tmp_path), "--seed", "1"), cfg, "cpu")
+    assert other != ckpt  # the cache key covers the seed
+
+
+KEYS = ["step", "reward_mean", "response_len_mean", "mismatch_k1", "mismatch_k3", "mismatch_prob_abs_max",
+        "mismatch_prob_abs_mean", "mismatch_logp_abs_mean", "grad_norm", "loss_scale", "step_skipped",
+        "time_rollout_s", "time_logprob_s", "time_train_s", "time_sync_s"]
+
+
+def test_real_rl_steps_in_each_dtype(engine, warm_dir):
+    k3 = {}
+    for name, vllm_dtype in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")):
+        out = os.path.join(warm_dir, name)
+        args = tiny_args(warm_dir, "--dtype", name, "--steps", "3", "--batch-size", "4", "--group-size", "4",
+                         "--eval-every", "2", "--out", out)
+        train_grpo.train(args, llm=engine(vllm_dtype))
+        rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+        assert [r["step"] for r in rows] == [0, 1, 2]
+        for r in rows:
+            for k in KEYS:
+                assert k in r and math.isfinite(float(r[k])), (name, k)
+        assert "eval_accuracy" in rows[1] and "eval_accuracy" in rows[2]
+        assert os.path.isfile(os.path.join(out, "hf", "model.safetensors"))
+        k3[name] = sum(r["mismatch_k3"] for r in rows) / len(rows)
+    assert k3["fp32"] * 100 <= k3["bf16"], k3
+    assert k3["bf16"] > k3["fp16"] > 0, k3

@@ -1,0 +1,43 @@
+"""Tokenizer, problems and reward."""
+import random
+
+import task
+
+
+def test_tokenizer_round_trips_any_string():
+    rng = random.Random(0)
+    samples = ["", "sort 1,2,3=", "héllo wörld ✓ 日本語 🙂", "<|bos|>x<|eos|>",
+               "".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(300))]
+    for s in samples:
+        assert task.decode(task.encode(s)) == s
+    assert task.encode(task.BOS + task.EOS) == [task.BOS_ID, task.EOS_ID]
+    assert task.VOCAB_SIZE == 258
+
+
+def test_reward_on_correct_wrong_malformed_truncated_empty():
+    prompt, answer = "sort 3,1,2=", "1,2,3"
+    good = task.answer_ids(answer)
+    assert task.reward(good, answer) == 1.0
+    assert task.reward(task.answer_ids("1,3,2"), answer) == 0.0          # wrong
+    assert task.reward(task.answer_ids("1,,2,3x"), answer) == 0.0        # malformed
+    assert task.reward(good[:-1], answer) == 0.0                         # truncated: no <|eos|>
+    assert task.reward(task.encode(answer)[:3], answer) == 0.0           # cut mid-answer
+    assert task.reward([], answer) == 0.0                                # empty
+    assert task.reward([task.EOS_ID], answer) == 0.0                     # only the end token
+    assert task.reward([0xff, 0xfe, task.BOS_ID, task.EOS_ID], answer) == 0.0  # invalid UTF-8, specials
+
+
+def test_problems_are_correct_long_enough_and_splits_disjoint():
+    train_problems, eval_problems = task.make_splits(seed=0, n_items=12, n_eval=200)
+    assert len({p for p, _ in eval_problems}) == 200
+    gen = train_problems("a")
+    train = [next(gen) for _ in range(2000)]
+    assert not {p for p, _ in train} & {p for p, _ in eval_problems}
+    for p, a in train[:50]:
+        digits = p[len("sort "):-1].split(",")
+        assert a.split(",") == sorted(digits)
+        assert len(task.answer_ids(a)) >= 24
+    # determined by the seed alone; the difficulty knob makes responses longer
+    assert task.make_splits(0, 12, 200)[1] == eval_problems
+    _, longer = task.make_splits(0, 20, 10)
+    assert len(task.answer_ids(longer[0][1])) == 40
