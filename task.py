@@ -63,6 +63,14 @@ def make_splits(seed, n_items, n_eval):
     return train_problems, eval_problems
 
 
+def noisy_answer(answer, rng, p):
+    """A worked solution with mistakes: each digit replaced by a random digit with probability p.
+    Trained on these, the model learns the right procedure but keeps ~0.9p probability on a wrong
+    digit at every position, like a base model that is competent but not yet sharp: sampled at
+    temperature 1 it is right about (1 - 0.9p)^n_items of the time, and RL has that gap to close."""
+    return "".join(str(rng.randrange(10)) if c.isdigit() and rng.random() < p else c for c in answer)
+
+
 def prompt_ids(prompt):
     return [BOS_ID] + encode(prompt)
 

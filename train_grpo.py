@@ -22,6 +22,7 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 
@@ -131,8 +132,8 @@ def problems_for_step(args, step, n):
 def warm_start(args, cfg, device):
     """Returns the checkpoint directory of the warm-started model, training it only if no cached copy
     exists for exactly these settings (the key hashes everything that determines the weights)."""
-    key_src = json.dumps({"cfg": cfg.__dict__, "n_items": args.n_items, "seed": args.seed,
-                          "steps": args.sft_steps, "lr": args.sft_lr, "batch": args.sft_batch}, sort_keys=True)
+    key_src = json.dumps({"cfg": cfg.__dict__, "n_items": args.n_items, "seed": args.seed, "steps": args.sft_steps,
+                          "lr": args.sft_lr, "batch": args.sft_batch, "noise": args.sft_noise}, sort_keys=True)
     ckpt = os.path.join(args.warmstart_dir, hashlib.sha256(key_src.encode()).hexdigest()[:12])
     if os.path.isfile(os.path.join(ckpt, "model.safetensors")):
         print(f"warm start: reusing {ckpt}")
@@ -149,7 +150,9 @@ def warm_start(args, cfg, device):
         for g in opt.param_groups:
             g["lr"] = lr
         batch = problems_for_step(args, f"sft-{step}", args.sft_batch)
-        idx, mask, _ = pack([task.prompt_ids(p) for p, _ in batch], [task.answer_ids(a) for _, a in batch], device)
+        noise_rng = random.Random(f"noise-{args.seed}-{step}")
+        answers = [task.answer_ids(task.noisy_answer(a, noise_rng, args.sft_noise)) for _, a in batch]
+        idx, mask, _ = pack([task.prompt_ids(p) for p, _ in batch], answers, device)
         with autocast:
             logp = token_logprobs(model, idx)
         loss = -(logp * mask).sum() / mask.sum()
@@ -183,35 +186,93 @@ def model_config(args):
                      n_hidden=args.n_hidden, max_seq_len=args.max_seq_len, bos_id=task.BOS_ID, eos_id=task.EOS_ID)
 
 
+def write_atomic(path, text):
+    """Write to a temporary name, then rename: a crash or a kill never leaves a half-written file."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def read_metrics(path):
+    rows = []
+    if os.path.isfile(path):
+        for line in open(path):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a hard kill: that step is redone
+                break
+    return rows
+
+
+def save_checkpoint(path, step, model, opt, scaler, acc0):
+    """Everything a resumed run needs: weights, optimizer and scaler states, the RNG, the next step.
+    The data and the engine's sampling of step s depend only on (seed, s), so this is enough for a
+    resumed run to redo exactly the steps an uninterrupted run would have done."""
+    torch.save({"step": step, "model": model.state_dict(), "opt": opt.state_dict(), "scaler": scaler.state_dict(),
+                "torch_rng": torch.get_rng_state(), "acc0": acc0}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
 def train(args, llm=None):
     """The whole run. `llm`: an already running engine of the run's dtype to reuse (the tests share one
-    per session); the warm-start weights are synced into it, which is the same as starting it on them."""
+    per session); the starting weights are synced into it, which is the same as starting it on them."""
+    # Ctrl-C / SIGTERM only raise a flag: the run stops at the next step boundary with a checkpoint.
+    stop = {}
+    handlers = {sig: signal.signal(sig, lambda num, _: stop.setdefault("signal", signal.Signals(num).name))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _train(args, llm, stop)
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+
+
+def _train(args, llm, stop):
     prec = get_precision(args.dtype)
     device = prec.device
-    cfg = model_config(args)
     os.makedirs(args.out, exist_ok=True)
     t_start = time.time()
 
-    ckpt, _ = warm_start(args, cfg, device)
+    ckpt = args.init or warm_start(args, model_config(args), device)[0]
     model = load_hf(ckpt, device)
-
-    from rollout import start_engine, generate, sync_weights
-    if llm is None:
-        llm = start_engine(ckpt, prec.vllm_dtype, args.seed, args.max_seq_len, args.gpu_memory_utilization)
-    else:
-        sync_weights(llm, hf_named_tensors(model), prec.dtype)
-    ref_model = load_hf(ckpt, device).eval() if args.kl_coef else None
-
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     scaler = prec.grad_scaler()
+    state_path, metrics_path = os.path.join(args.out, "checkpoint.pt"), os.path.join(args.out, "metrics.jsonl")
+    start_step, acc0 = 0, None
+    if args.resume:
+        st = torch.load(state_path, weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        scaler.load_state_dict(st["scaler"])
+        torch.set_rng_state(st["torch_rng"])
+        start_step, acc0 = st["step"], st["acc0"]
+        print(f"resuming {args.out} at step {start_step}")
+    # Keep the metrics of the steps before the checkpoint, drop any after it: no step is ever duplicated.
+    history = read_metrics(metrics_path)[:start_step] if args.resume else []
+    write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in history))
+
+    from rollout import start_engine, generate, sync_weights
+    if llm is not None or args.resume:  # the engine must serve the weights the trainer starts from
+        llm = llm or start_engine(ckpt, prec.vllm_dtype, args.seed, args.max_seq_len, args.gpu_memory_utilization)
+        sync_weights(llm, hf_named_tensors(model), prec.dtype)
+    else:
+        llm = start_engine(ckpt, prec.vllm_dtype, args.seed, args.max_seq_len, args.gpu_memory_utilization)
+    ref_model = load_hf(ckpt, device).eval() if args.kl_coef else None
     G = args.group_size
 
-    acc0 = evaluate(llm, args, -1)
+    if acc0 is None:
+        acc0 = evaluate(llm, args, -1)
     print(f"dtype {prec.name} | engine {prec.vllm_dtype} | device {device} | held-out accuracy before RL {acc0:.3f}")
-    metrics_path = os.path.join(args.out, "metrics.jsonl")
-    history = []
-    with open(metrics_path, "w") as mf:
-        for step in range(args.steps):
+
+    def halt(step, message):
+        """Stop after the last good state is on disk: weights before this step, metrics so far."""
+        save_checkpoint(state_path, step, model, opt, scaler, acc0)
+        raise SystemExit(f"error: step {step}: {message}; metrics and the checkpoint before this step are in "
+                         f"{args.out} (resume with --resume)")
+
+    consecutive_skips = 0
+    with open(metrics_path, "a") as mf:
+        for step in range(start_step, args.steps):
             # Linear warm-up: Adam's first updates move every weight by ~lr whatever the gradient's size
             # (its variance estimate starts from one noisy sample), enough to knock a tuned model over.
             for g in opt.param_groups:
@@ -232,6 +293,9 @@ def train(args, llm=None):
             with torch.no_grad(), prec.autocast():
                 old_logp = token_logprobs(model, idx)
                 ref_logp = token_logprobs(ref_model, idx) if ref_model is not None else None
+            for name, t in (("engine log-prob", mu_logp), ("trainer log-prob", old_logp)):
+                if not torch.isfinite(t[mask.bool()]).all():
+                    halt(step, f"non-finite {name}")
             mm = mismatch_metrics(mu_logp, old_logp, mask)
             t2 = time.perf_counter()
 
@@ -242,6 +306,8 @@ def train(args, llm=None):
                     logp = token_logprobs(model, idx)
                 loss = grpo_loss(logp, old_logp, mu_logp, adv, mask, args.clip_eps, args.correction,
                                  args.is_cap, ref_logp, args.kl_coef)
+                if not torch.isfinite(loss):
+                    halt(step, f"non-finite loss ({loss.item()})")
                 grad_norm, skipped = optimizer_step(model, opt, scaler, loss, args.max_grad_norm)
             t3 = time.perf_counter()
 
@@ -267,6 +333,20 @@ def train(args, llm=None):
                   f"(sync {t_sync * 1000:.0f}ms, {rec['rollout_tokens_per_s']:.0f} tok/s)"
                   + (f" | eval {rec['eval_accuracy']:.3f}" if "eval_accuracy" in rec else ""), flush=True)
 
+            consecutive_skips = consecutive_skips + 1 if skipped else 0
+            if skipped and not scaler.is_enabled():
+                halt(step + 1, "non-finite gradient (the step was skipped; only fp16 expects that)")
+            if consecutive_skips > args.max_skips:
+                halt(step + 1, f"{consecutive_skips} consecutive fp16 steps skipped for inf/nan gradients "
+                               f"(--max-skips {args.max_skips})")
+            if (step + 1) % args.ckpt_every == 0 or stop:
+                save_checkpoint(state_path, step + 1, model, opt, scaler, acc0)
+            if stop:
+                print(f"{stop['signal']}: stopped after step {step}; checkpoint and metrics are in {args.out}; "
+                      f"continue with --resume")
+                return None
+
+    save_checkpoint(state_path, args.steps, model, opt, scaler, acc0)
     save_hf(model, os.path.join(args.out, "hf"))
     last = history[-10:]
     summary = {"dtype": prec.name, "steps": args.steps, "eval_accuracy_before": acc0,
@@ -275,8 +355,7 @@ def train(args, llm=None):
                "mismatch_k3_mean": sum(r["mismatch_k3"] for r in history) / len(history),
                "steps_skipped": sum(r["step_skipped"] for r in history),
                "wall_s": time.time() - t_start}
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    write_atomic(os.path.join(args.out, "summary.json"), json.dumps(summary, indent=2))
     print("summary: " + " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     return summary
 
@@ -298,14 +377,15 @@ def get_args(argv=None):
     p.add_argument("--n-hidden", type=int, default=384)
     p.add_argument("--max-seq-len", type=int, default=128)
     # warm start
-    p.add_argument("--sft-steps", type=int, default=200)
+    p.add_argument("--sft-steps", type=int, default=600)
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--sft-batch", type=int, default=64)
+    p.add_argument("--sft-noise", type=float, default=0.03, help="chance each digit of a training solution is wrong")
     # GRPO
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=16, help="prompts per step")
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt (G >= 2)")
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--warmup-steps", type=int, default=10, help="linear learning-rate warm-up")
     p.add_argument("--clip-eps", type=float, default=0.2)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
@@ -315,12 +395,62 @@ def get_args(argv=None):
     p.add_argument("--is-cap", type=float, default=2.0, help="cap C of tis / mis")
     p.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to the warm start (0 = off)")
     p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--ckpt-every", type=int, default=20, help="steps between resumable checkpoints")
+    p.add_argument("--max-skips", type=int, default=10, help="stop after more consecutive fp16 steps skipped")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--init", default=None, help="start RL from this checkpoint folder instead of the warm start")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="engine's share of GPU memory (GPU only)")
+    p.error = lambda message: fail(message)  # one line, exit 2 (argparse would add a usage block)
     args = p.parse_args(argv)
     args.max_new_tokens = args.max_new_tokens or 2 * args.n_items + 8
     args.out = args.out or os.path.join("runs", str(args.dtype))
+    check_args(args)
     args.train_problems, args.eval_problems = task.make_splits(args.seed, args.n_items, args.n_eval)
     return args
+
+
+def fail(message):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_args(args):
+    """Refuse bad input before any model is built, engine started or file written."""
+    for flag in ("n_items", "n_eval", "max_new_tokens", "n_layer", "n_head", "n_embd", "n_hidden", "max_seq_len",
+                 "sft_steps", "sft_batch", "steps", "batch_size", "warmup_steps", "updates_per_batch", "eval_every",
+                 "ckpt_every", "lr", "sft_lr", "max_grad_norm", "clip_eps", "is_cap"):
+        if not getattr(args, flag) > 0:
+            fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    try:
+        get_precision(args.dtype)
+        model_config(args)
+    except ValueError as e:
+        fail(str(e).replace("n_embd/n_head", "--n-embd/--n-head"))
+    if args.group_size < 2:
+        fail(f"--group-size must be at least 2 (GRPO compares samples within a group), got {args.group_size}")
+    if not 0 <= args.sft_noise < 1 or args.kl_coef < 0 or args.max_skips < 0 or not 0 < args.gpu_memory_utilization <= 1:
+        fail("--sft-noise must be in [0, 1), --kl-coef and --max-skips >= 0, --gpu-memory-utilization in (0, 1]")
+    longest = len(task.prompt_ids(task.make_problem(random.Random(0), args.n_items)[0])) + args.max_new_tokens
+    if longest > args.max_seq_len:
+        fail(f"--max-seq-len {args.max_seq_len} is too short for a prompt plus --max-new-tokens ({longest} tokens)")
+    if args.init:
+        try:
+            load_hf(args.init)
+        except ValueError as e:
+            fail(f"--init: {e}")
+    has_run = os.path.isfile(os.path.join(args.out, "metrics.jsonl"))
+    if args.resume and not os.path.isfile(os.path.join(args.out, "checkpoint.pt")):
+        fail(f"--resume: {args.out} has no checkpoint.pt to resume from")
+    if has_run and not args.resume:
+        fail(f"--out {args.out} already holds a run: pass --resume to continue it, or choose another --out")
+    for folder in (args.out, args.warmstart_dir):
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, ".write-test"), "w"):
+                pass
+            os.remove(os.path.join(folder, ".write-test"))
+        except OSError as e:
+            fail(f"cannot write to {folder}: {e.strerror}")
 
 
 if __name__ == "__main__":
