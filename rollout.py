@@ -34,11 +34,17 @@ class Sample:
     finished: bool          # stopped at <|eos|>; False means cut at max_tokens
 
 
-def start_engine(ckpt_dir, vllm_dtype, seed, max_model_len, gpu_memory_utilization=0.3):
+def require_vllm():
+    """Fail at start-up, in one line, rather than after minutes of warm start."""
     try:
-        from vllm import LLM
+        import vllm  # noqa: F401
     except ImportError as e:
         raise SystemExit(f"error: {INSTALL_HINT} ({e})")
+
+
+def start_engine(ckpt_dir, vllm_dtype, seed, max_model_len, gpu_memory_utilization=0.3):
+    require_vllm()
+    from vllm import LLM
     return LLM(
         model=ckpt_dir,
         dtype=vllm_dtype,              # always explicit: "auto" would turn our float32 checkpoint into bf16
@@ -49,6 +55,7 @@ def start_engine(ckpt_dir, vllm_dtype, seed, max_model_len, gpu_memory_utilizati
         max_model_len=max_model_len,
         gpu_memory_utilization=gpu_memory_utilization,  # GPU only: leave room for the trainer beside it
         enable_prefix_caching=True,    # a group's n samples share one prompt; reset after every sync
+        use_tqdm_on_load=False,        # quiet: no progress bar for a 4 MB checkpoint
     )
 
 

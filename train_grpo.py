@@ -228,6 +228,8 @@ def train(args, llm=None):
 
 
 def _train(args, llm, stop):
+    from rollout import generate, require_vllm, start_engine, sync_weights
+    require_vllm()
     prec = get_precision(args.dtype)
     device = prec.device
     os.makedirs(args.out, exist_ok=True)
@@ -251,7 +253,6 @@ def _train(args, llm, stop):
     history = read_metrics(metrics_path)[:start_step] if args.resume else []
     write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in history))
 
-    from rollout import start_engine, generate, sync_weights
     if llm is not None or args.resume:  # the engine must serve the weights the trainer starts from
         llm = llm or start_engine(ckpt, prec.vllm_dtype, args.seed, args.max_seq_len, args.gpu_memory_utilization)
         sync_weights(llm, hf_named_tensors(model), prec.dtype)

@@ -93,3 +93,22 @@ def test_nonfinite_logprob_stops_the_run_naming_step_and_quantity(engine, warm_d
     with pytest.raises(SystemExit, match=r"step 0: non-finite (engine|trainer) log-prob"):
         train_grpo.train(args, llm=engine("float32"))
     assert os.path.isfile(tmp_path / "nan" / "checkpoint.pt") and os.path.isfile(tmp_path / "nan" / "metrics.jsonl")
+
+
+def test_consecutive_fp16_skips_beyond_the_limit_stop_the_run(engine, warm_dir, monkeypatch):
+    """A real fp16 overflow: with a loss scale of 2**60 every 16-bit gradient is inf, the scaler skips
+    each step and halves the scale; three skips in a row exceed --max-skips 2 and stop the run."""
+    import precision
+    # The tiny warm start gets every reward 0, so every advantage and gradient would be exactly 0:
+    # reward the parity of the first sampled token instead, which varies within a group.
+    monkeypatch.setattr(train_grpo.task, "reward", lambda ids, answer: float(bool(ids) and ids[0] % 2 == 0))
+    monkeypatch.setattr(precision.Precision, "grad_scaler",
+                        lambda self: torch.amp.GradScaler(self.device, init_scale=2.0 ** 60, enabled=True))
+    out = os.path.join(warm_dir, "skips")
+    args = tiny_args(warm_dir, "--dtype", "fp16", "--out", out, *RL[:1], "10", *RL[2:], "--max-skips", "2")
+    with pytest.raises(SystemExit, match=r"step 3: 3 consecutive fp16 steps skipped"):
+        train_grpo.train(args, llm=engine("float16"))
+    done = rows(out)
+    assert [r["step_skipped"] for r in done] == [True, True, True]
+    assert [r["loss_scale"] for r in done] == [2.0 ** 59, 2.0 ** 58, 2.0 ** 57]
+    assert torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)["step"] == 3
