@@ -85,7 +85,7 @@ def sync_weights(llm, named_tensors, dtype):
     t0 = time.perf_counter()
     # The cast to the engine dtype happens here, once, exactly as a real serving stack would do it:
     # the engine serves round(master weights) while the trainer rounds inside autocast.
-    weights = [(name, t.to(dtype=dtype, device="cpu" if not t.is_cuda else t.device)) for name, t in named_tensors]
+    weights = [(name, t.to(dtype)) for name, t in named_tensors]
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
     # Cached prefixes hold keys/values computed with the old weights: drop them.
     llm.reset_prefix_cache()

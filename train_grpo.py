@@ -31,6 +31,7 @@ import torch
 import task
 from model import GPT, GPTConfig, hf_named_tensors, load_hf, save_hf, token_logprobs
 from precision import get_precision, mismatch_metrics
+from rollout import generate, require_vllm, start_engine, sync_weights  # vllm itself is imported lazily
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -135,7 +136,7 @@ def warm_start(args, cfg, device):
     key_src = json.dumps({"cfg": cfg.__dict__, "n_items": args.n_items, "seed": args.seed, "steps": args.sft_steps,
                           "lr": args.sft_lr, "batch": args.sft_batch, "noise": args.sft_noise}, sort_keys=True)
     ckpt = os.path.join(args.warmstart_dir, hashlib.sha256(key_src.encode()).hexdigest()[:12])
-    if os.path.isfile(os.path.join(ckpt, "model.safetensors")):
+    if os.path.isfile(os.path.join(ckpt, "config.json")):  # save_hf writes it last: present = complete
         print(f"warm start: reusing {ckpt}")
         return ckpt, None
     torch.manual_seed(args.seed)
@@ -171,7 +172,6 @@ def warm_start(args, cfg, device):
 # Evaluation: sampled accuracy at temperature 1 on held-out problems, with the engine
 
 def evaluate(llm, args, step):
-    from rollout import generate
     torch.manual_seed(args.seed * 1_000_003 + 999_983 + step)  # the engine samples from this generator
     probs = args.eval_problems
     samples = generate(llm, [task.prompt_ids(p) for p, _ in probs], 1, args.max_new_tokens, task.EOS_ID)
@@ -228,7 +228,6 @@ def train(args, llm=None):
 
 
 def _train(args, llm, stop):
-    from rollout import generate, require_vllm, start_engine, sync_weights
     require_vllm()
     prec = get_precision(args.dtype)
     device = prec.device
