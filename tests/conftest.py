@@ -48,3 +48,12 @@ def tiny_args(tmp, *extra):
 @pytest.fixture(scope="session")
 def warm_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("runs"))
+
+
+@pytest.fixture
+def varied_reward(monkeypatch):
+    """The tiny warm start of these tests solves nothing, so every reward, advantage and gradient
+    would be 0 and no weight would move. Reward the parity of the first sampled token instead: it
+    varies within a group, so the RL steps really update the model (and its optimizer state)."""
+    import train_grpo
+    monkeypatch.setattr(train_grpo.task, "reward", lambda ids, answer: float(bool(ids) and ids[0] % 2 == 0))

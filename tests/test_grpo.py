@@ -107,7 +107,7 @@ KEYS = ["step", "reward_mean", "response_len_mean", "mismatch_k1", "mismatch_k3"
         "time_rollout_s", "time_logprob_s", "time_train_s", "time_sync_s"]
 
 
-def test_real_rl_steps_in_each_dtype(engine, warm_dir):
+def test_real_rl_steps_in_each_dtype(engine, warm_dir, varied_reward):
     k3 = {}
     for name, vllm_dtype in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")):
         out = os.path.join(warm_dir, name)
@@ -119,6 +119,7 @@ def test_real_rl_steps_in_each_dtype(engine, warm_dir):
         for r in rows:
             for k in KEYS:
                 assert k in r and math.isfinite(float(r[k])), (name, k)
+            assert r["grad_norm"] > 0
         assert "eval_accuracy" in rows[1] and "eval_accuracy" in rows[2]
         assert os.path.isfile(os.path.join(out, "hf", "model.safetensors"))
         k3[name] = sum(r["mismatch_k3"] for r in rows) / len(rows)
