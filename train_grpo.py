@@ -17,6 +17,7 @@ In bf16 (7 mantissa bits) they disagree enough to bias the policy gradient; in f
 loss scaling for its narrow range) the disagreement shrinks many times; in fp32 it all but vanishes.
 """
 import argparse
+import fcntl
 import hashlib
 import json
 import math
@@ -232,6 +233,13 @@ def _train(args, llm, stop):
     prec = get_precision(args.dtype)
     device = prec.device
     os.makedirs(args.out, exist_ok=True)
+    # One run per output folder: a second one would interleave metrics and overwrite checkpoints. The
+    # kernel drops the lock when this process ends, however it ends.
+    lock = open(os.path.join(args.out, ".lock"), "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fail(f"--out {args.out} is in use by another run")
     t_start = time.time()
 
     ckpt = args.init or warm_start(args, model_config(args), device)[0]

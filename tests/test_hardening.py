@@ -43,6 +43,18 @@ def test_an_existing_run_is_never_overwritten(tmp_path, capsys):
     assert sorted(os.listdir(out)) == ["metrics.jsonl"]
 
 
+def test_two_runs_never_share_an_output_folder(warm_dir, capsys):
+    import fcntl
+    out = os.path.join(warm_dir, "locked")
+    os.makedirs(out)
+    with open(os.path.join(out, ".lock"), "w") as held:  # another run holds the folder
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SystemExit) as e:
+            train_grpo.train(tiny_args(warm_dir, "--out", out, *RL))
+    assert e.value.code == 2 and "in use by another run" in capsys.readouterr().err
+    assert os.listdir(out) == [".lock"]
+
+
 def test_bad_input_from_the_command_line():
     r = subprocess.run([sys.executable, "train_grpo.py", "--group-size", "1"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()] and "--group-size" in r.stderr
