@@ -217,6 +217,14 @@ def save_checkpoint(path, step, model, opt, scaler, acc0):
 def train(args, llm=None):
     """The whole run. `llm`: an already running engine of the run's dtype to reuse (the tests share one
     per session); the starting weights are synced into it, which is the same as starting it on them."""
+    # One run per output folder: a second one would interleave metrics and overwrite checkpoints. The
+    # kernel also drops the lock if this process dies.
+    os.makedirs(args.out, exist_ok=True)
+    lock = open(os.path.join(args.out, ".lock"), "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fail(f"--out {args.out} is in use by another run")
     # Ctrl-C / SIGTERM only raise a flag: the run stops at the next step boundary with a checkpoint.
     stop = {}
     handlers = {sig: signal.signal(sig, lambda num, _: stop.setdefault("signal", signal.Signals(num).name))
@@ -226,20 +234,13 @@ def train(args, llm=None):
     finally:
         for sig, h in handlers.items():
             signal.signal(sig, h)
+        lock.close()
 
 
 def _train(args, llm, stop):
     require_vllm()
     prec = get_precision(args.dtype)
     device = prec.device
-    os.makedirs(args.out, exist_ok=True)
-    # One run per output folder: a second one would interleave metrics and overwrite checkpoints. The
-    # kernel drops the lock when this process ends, however it ends.
-    lock = open(os.path.join(args.out, ".lock"), "w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fail(f"--out {args.out} is in use by another run")
     t_start = time.time()
 
     ckpt = args.init or warm_start(args, model_config(args), device)[0]
@@ -260,11 +261,10 @@ def _train(args, llm, stop):
     history = read_metrics(metrics_path)[:start_step] if args.resume else []
     write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in history))
 
-    if llm is not None or args.resume:  # the engine must serve the weights the trainer starts from
-        llm = llm or start_engine(ckpt, prec.vllm_dtype, args.seed, args.max_seq_len, args.gpu_memory_utilization)
-        sync_weights(llm, hf_named_tensors(model), prec.dtype)
-    else:
-        llm = start_engine(ckpt, prec.vllm_dtype, args.seed, args.max_seq_len, args.gpu_memory_utilization)
+    # The engine must serve the weights the trainer starts from: a resumed checkpoint's, or ours in a
+    # caller's engine. For a fresh engine this reloads what it already holds (30 ms, same log-probs).
+    llm = llm or start_engine(ckpt, prec.vllm_dtype, args.seed, args.max_seq_len, args.gpu_memory_utilization)
+    sync_weights(llm, hf_named_tensors(model), prec.dtype)
     ref_model = load_hf(ckpt, device).eval() if args.kl_coef else None
     G = args.group_size
 
@@ -347,14 +347,13 @@ def _train(args, llm, stop):
             if consecutive_skips > args.max_skips:
                 halt(step + 1, f"{consecutive_skips} consecutive fp16 steps skipped for inf/nan gradients "
                                f"(--max-skips {args.max_skips})")
-            if (step + 1) % args.ckpt_every == 0 or stop:
+            if (step + 1) % args.ckpt_every == 0 or step + 1 == args.steps or stop:
                 save_checkpoint(state_path, step + 1, model, opt, scaler, acc0)
             if stop:
                 print(f"{stop['signal']}: stopped after step {step}; checkpoint and metrics are in {args.out}; "
                       f"continue with --resume")
                 return None
 
-    save_checkpoint(state_path, args.steps, model, opt, scaler, acc0)
     save_hf(model, os.path.join(args.out, "hf"))
     last = history[-10:]
     summary = {"dtype": prec.name, "steps": args.steps, "eval_accuracy_before": acc0,

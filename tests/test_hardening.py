@@ -15,7 +15,9 @@ from conftest import tiny_args
 from model import load_hf, save_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RL = ["--steps", "4", "--batch-size", "4", "--group-size", "4", "--eval-every", "100", "--ckpt-every", "1"]
+def rl(steps=4):
+    """Flags for a few small real RL steps, checkpointing after every step."""
+    return ["--steps", str(steps), "--batch-size", "4", "--group-size", "4", "--eval-every", "100", "--ckpt-every", "1"]
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -50,7 +52,7 @@ def test_two_runs_never_share_an_output_folder(warm_dir, capsys):
     with open(os.path.join(out, ".lock"), "w") as held:  # another run holds the folder
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(SystemExit) as e:
-            train_grpo.train(tiny_args(warm_dir, "--out", out, *RL))
+            train_grpo.train(tiny_args(warm_dir, "--out", out, *rl()))
     assert e.value.code == 2 and "in use by another run" in capsys.readouterr().err
     assert os.listdir(out) == [".lock"]
 
@@ -67,10 +69,10 @@ def rows(out):
 def test_fp32_interrupted_and_resumed_run_matches_an_uninterrupted_one(engine, warm_dir, varied_reward):
     llm = engine("float32")
     whole = os.path.join(warm_dir, "resume-whole")
-    train_grpo.train(tiny_args(warm_dir, "--dtype", "fp32", "--out", whole, *RL), llm=llm)
+    train_grpo.train(tiny_args(warm_dir, "--dtype", "fp32", "--out", whole, *rl()), llm=llm)
     part = os.path.join(warm_dir, "resume-part")
-    train_grpo.train(tiny_args(warm_dir, "--dtype", "fp32", "--out", part, *RL[:1], "2", *RL[2:]), llm=llm)
-    train_grpo.train(tiny_args(warm_dir, "--dtype", "fp32", "--out", part, *RL, "--resume"), llm=llm)
+    train_grpo.train(tiny_args(warm_dir, "--dtype", "fp32", "--out", part, *rl(2)), llm=llm)
+    train_grpo.train(tiny_args(warm_dir, "--dtype", "fp32", "--out", part, *rl(), "--resume"), llm=llm)
     a, b = rows(whole), rows(part)
     assert [r["step"] for r in b] == [0, 1, 2, 3]  # appended, no step duplicated
     assert all(r["grad_norm"] > 0 for r in a)  # the weights really moved, so optimizer state mattered
@@ -82,7 +84,7 @@ def test_fp32_interrupted_and_resumed_run_matches_an_uninterrupted_one(engine, w
 
 def test_sigterm_stops_at_a_step_boundary_with_checkpoint_and_metrics(engine, warm_dir):
     out = os.path.join(warm_dir, "sigterm")
-    args = tiny_args(warm_dir, "--dtype", "fp32", "--out", out, *RL[:1], "1000", *RL[2:])
+    args = tiny_args(warm_dir, "--dtype", "fp32", "--out", out, *rl(1000))
     timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGTERM))
     timer.start()
     try:
@@ -96,13 +98,13 @@ def test_sigterm_stops_at_a_step_boundary_with_checkpoint_and_metrics(engine, wa
 
 
 def test_nonfinite_logprob_stops_the_run_naming_step_and_quantity(engine, warm_dir, tmp_path):
-    args = tiny_args(warm_dir, "--dtype", "fp32", "--out", str(tmp_path / "nan"), *RL)
+    args = tiny_args(warm_dir, "--dtype", "fp32", "--out", str(tmp_path / "nan"), *rl())
     ckpt, _ = train_grpo.warm_start(args, train_grpo.model_config(args), "cpu")
     model = load_hf(ckpt)
     with torch.no_grad():
         model.norm.weight[0] = float("nan")  # poisons every logit
     save_hf(model, str(tmp_path / "poisoned"))
-    args = tiny_args(warm_dir, "--dtype", "fp32", "--out", str(tmp_path / "nan"), *RL, "--init", str(tmp_path / "poisoned"))
+    args = tiny_args(warm_dir, "--dtype", "fp32", "--out", str(tmp_path / "nan"), *rl(), "--init", str(tmp_path / "poisoned"))
     with pytest.raises(SystemExit, match=r"step 0: non-finite (engine|trainer) log-prob"):
         train_grpo.train(args, llm=engine("float32"))
     assert os.path.isfile(tmp_path / "nan" / "checkpoint.pt") and os.path.isfile(tmp_path / "nan" / "metrics.jsonl")
@@ -115,7 +117,7 @@ def test_consecutive_fp16_skips_beyond_the_limit_stop_the_run(engine, warm_dir, 
     monkeypatch.setattr(precision.Precision, "grad_scaler",
                         lambda self: torch.amp.GradScaler(self.device, init_scale=2.0 ** 60, enabled=True))
     out = os.path.join(warm_dir, "skips")
-    args = tiny_args(warm_dir, "--dtype", "fp16", "--out", out, *RL[:1], "10", *RL[2:], "--max-skips", "2")
+    args = tiny_args(warm_dir, "--dtype", "fp16", "--out", out, *rl(10), "--max-skips", "2")
     with pytest.raises(SystemExit, match=r"step 3: 3 consecutive fp16 steps skipped"):
         train_grpo.train(args, llm=engine("float16"))
     done = rows(out)
