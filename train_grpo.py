@@ -3,6 +3,7 @@ train_grpo.py: RL fine-tuning (GRPO) of a small GPT whose rollouts come from the
 with one --dtype flag that switches both sides, trainer and engine, between fp16, bf16 and fp32.
 
     python train_grpo.py --dtype fp16     # or bf16, fp32: same data, same seed, same starting weights
+    python train_grpo.py --probe          # no training: the offline mismatch of every dtype pairing
 
 The run, top to bottom:
   1. warm start: supervised training on worked solutions (bf16 autocast, float32 master weights),
@@ -50,7 +51,7 @@ def group_advantages(rewards, group_size, scale_by_std=True, eps=1e-6):
 
 
 def grpo_loss(logp, old_logp, mu_logp, adv, mask, clip_eps=0.2, correction="none", cap=2.0,
-              ref_logp=None, kl_coef=0.0):
+              ref_logp=None, kl_coef=0.0, n_tokens=None):
     """All per-token tensors are (N, T), aligned with the predicted token; mask is 1 on response tokens.
       logp      trainer log-probs with gradient (pi_theta)
       old_logp  trainer log-probs before this update, no gradient (pi_old, the run's dtype)
@@ -66,7 +67,8 @@ def grpo_loss(logp, old_logp, mu_logp, adv, mask, clip_eps=0.2, correction="none
       mis   sequence-level masked importance sampling: weight a sequence by rho = prod(pi_old / mu)
             over its tokens, and drop it (weight 0) when rho > cap
     Normalisation: token-level mean over all response tokens of the batch (DAPO), so long responses
-    are not down-weighted per token. Optional k3 KL penalty to a reference policy (ref_logp)."""
+    are not down-weighted per token; n_tokens, when given, is that count for a batch of which only
+    some sequences were passed in. Optional k3 KL penalty to a reference policy (ref_logp)."""
     ratio = torch.exp(logp - old_logp)
     a = adv[:, None]
     per_token = -torch.min(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
@@ -81,7 +83,7 @@ def grpo_loss(logp, old_logp, mu_logp, adv, mask, clip_eps=0.2, correction="none
     if kl_coef:
         log_r = ref_logp.detach() - logp  # k3 estimator of KL(pi || ref): r - 1 - log r, r = ref / pi
         per_token = per_token + kl_coef * (torch.exp(log_r) - 1 - log_r)
-    return (per_token * mask).sum() / mask.sum().clamp(min=1)
+    return (per_token * mask).sum() / (mask.sum() if n_tokens is None else n_tokens).clamp(min=1)
 
 
 def optimizer_step(model, opt, scaler, loss, max_grad_norm):
@@ -164,7 +166,7 @@ def warm_start(args, cfg, device):
         opt.step()
         losses.append(loss.item())
         if step % 100 == 0 or step == args.sft_steps - 1:
-            print(f"warm start {step:4d}/{args.sft_steps} | loss {loss.item():.4f} | {time.time() - t0:.0f}s")
+            print(f"warm start {step:4d}/{args.sft_steps} | loss {loss.item():.4f} | {time.time() - t0:.0f}s", flush=True)
     save_hf(model, ckpt)
     return ckpt, losses
 
@@ -214,6 +216,18 @@ def save_checkpoint(path, step, model, opt, scaler, acc0):
     os.replace(path + ".tmp", path)
 
 
+def learning_rate(args, step):
+    """Linear warm-up: Adam's first updates move every weight by ~lr whatever the gradient's size (its
+    variance estimate starts from one noisy sample), enough to knock a tuned model over. Then, with
+    --lr-schedule cosine, a decay to a tenth of --lr: RL gradients stay noisy, and a smaller late step
+    lets the policy settle instead of jittering around the optimum."""
+    warm = min(1.0, (step + 1) / args.warmup_steps)
+    if args.lr_schedule == "constant":
+        return args.lr * warm
+    progress = max(0.0, step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    return args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
 def train(args, llm=None):
     """The whole run. `llm`: an already running engine of the run's dtype to reuse (the tests share one
     per session); the starting weights are synced into it, which is the same as starting it on them."""
@@ -260,6 +274,9 @@ def _train(args, llm, stop):
     # Keep the metrics of the steps before the checkpoint, drop any after it: no step is ever duplicated.
     history = read_metrics(metrics_path)[:start_step] if args.resume else []
     write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in history))
+    # The run's settings beside its metrics, for plot.py and for whoever reads the folder later.
+    settings = {k: v for k, v in vars(args).items() if k not in ("train_problems", "eval_problems")}
+    write_atomic(os.path.join(args.out, "args.json"), json.dumps({**settings, "dtype": prec.name}, indent=2))
 
     # The engine must serve the weights the trainer starts from: a resumed checkpoint's, or ours in a
     # caller's engine. For a fresh engine this reloads what it already holds (30 ms, same log-probs).
@@ -281,10 +298,8 @@ def _train(args, llm, stop):
     consecutive_skips = 0
     with open(metrics_path, "a") as mf:
         for step in range(start_step, args.steps):
-            # Linear warm-up: Adam's first updates move every weight by ~lr whatever the gradient's size
-            # (its variance estimate starts from one noisy sample), enough to knock a tuned model over.
             for g in opt.param_groups:
-                g["lr"] = args.lr * min(1.0, (step + 1) / args.warmup_steps)
+                g["lr"] = learning_rate(args, step)
 
             # 1. rollout: the engine samples G responses per prompt, with its own log-probs (mu)
             t0 = time.perf_counter()
@@ -309,11 +324,18 @@ def _train(args, llm, stop):
 
             # 3. one GRPO step (or --updates-per-batch) through the GradScaler
             adv = group_advantages(rewards, G, scale_by_std=not args.no_std).to(device)
+            # A sequence with A = 0 (every group whose samples all agree) adds exactly 0 to the loss and
+            # its gradient: leave it out of the forward and backward, but keep all response tokens in
+            # the token-mean's denominator. Same gradient, less work (half of it near 90 % reward).
+            keep = adv != 0
+            if args.kl_coef or not keep.any():  # the KL term counts every token; a batch of A = 0 still steps
+                keep = torch.ones_like(keep)
             for _ in range(args.updates_per_batch):
                 with prec.autocast():
-                    logp = token_logprobs(model, idx)
-                loss = grpo_loss(logp, old_logp, mu_logp, adv, mask, args.clip_eps, args.correction,
-                                 args.is_cap, ref_logp, args.kl_coef)
+                    logp = token_logprobs(model, idx[keep])
+                loss = grpo_loss(logp, old_logp[keep], mu_logp[keep], adv[keep], mask[keep], args.clip_eps,
+                                 args.correction, args.is_cap, ref_logp[keep] if args.kl_coef else None,
+                                 args.kl_coef, n_tokens=mask.sum())
                 if not torch.isfinite(loss):
                     halt(step, f"non-finite loss ({loss.item()})")
                 grad_norm, skipped = optimizer_step(model, opt, scaler, loss, args.max_grad_norm)
@@ -367,6 +389,75 @@ def _train(args, llm, stop):
     return summary
 
 
+# ---------------------------------------------------------------------------------------------------
+# The offline mismatch probe (the paper's first experiment): no training, one checkpoint
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+def probe(args, engine=None):
+    """Every engine dtype against every trainer dtype on the same weights (the warm start, or --init).
+    Each engine samples --group-size responses to each held-out prompt under the same seed; the trainer
+    scores the same tokens in each dtype. The diagonal is what a run in that dtype sees; the mixed rows
+    (engine 16-bit, trainer fp32 and the reverse) show which side's rounding makes the mismatch.
+    `engine`: vllm_dtype -> a running engine to reuse (the tests share theirs); the weights are synced in."""
+    require_vllm()
+    device = get_precision("fp32").device
+    ckpt = args.init or warm_start(args, model_config(args), device)[0]
+    model = load_hf(ckpt, device).eval()
+    engine = engine or (lambda vllm_dtype: start_engine(ckpt, vllm_dtype, args.seed, args.max_seq_len,
+                                                        args.gpu_memory_utilization))
+    prompts = [task.prompt_ids(p) for p, _ in args.eval_problems]
+    width = math.ceil(args.max_new_tokens / 4)  # four buckets of response positions
+    rows, by_pos, engines = [], [], []
+    for eng in DTYPES:
+        prec = get_precision(eng, device)
+        # Every engine stays referenced until the end: destroying an in-process vLLM engine tears down
+        # process-wide state that the others still use. (On a GPU each holds --gpu-memory-utilization.)
+        engines.append(llm := engine(prec.vllm_dtype))
+        sync_weights(llm, hf_named_tensors(model), prec.dtype)
+        torch.manual_seed(args.seed)  # every engine draws the same random numbers
+        samples = generate(llm, prompts, args.group_size, args.max_new_tokens, task.EOS_ID)
+        idx, mask, mu = pack([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                             device, [s.logprobs for s in samples])
+        pos = (mask.cumsum(1) - 1) * mask  # position of each predicted token within its response
+        for tr in DTYPES:
+            with torch.no_grad(), get_precision(tr, device).autocast():
+                pi = token_logprobs(model, idx)
+            rows.append({"engine": eng, "trainer": tr, **mismatch_metrics(mu, pi, mask)})
+            for lo in range(0, args.max_new_tokens, width):
+                in_bucket = mask * (pos >= lo) * (pos < lo + width)
+                if in_bucket.sum() > 0:
+                    by_pos.append({"engine": eng, "trainer": tr, "positions": f"{lo}-{lo + width - 1}",
+                                   "tokens": int(in_bucket.sum()), **mismatch_metrics(mu, pi, in_bucket)})
+    matched = {r["engine"]: r for r in rows if r["engine"] == r["trainer"]}
+    # k1 is signed (its errors cancel), so a ratio of it means nothing; every other metric is >= 0.
+    ratio = {k: matched["bf16"][k] / matched["fp16"][k] for k in matched["fp16"]
+             if k.startswith("mismatch_") and k != "mismatch_k1"}
+    result = {"checkpoint": ckpt, "sequences_per_engine": len(prompts) * args.group_size, "rows": rows,
+              "by_position": by_pos, "bf16_over_fp16": ratio}
+
+    keys = [k for k in rows[0] if k.startswith("mismatch_")]
+    print(f"\nmismatch between engine (mu) and trainer (pi) on {ckpt}, {result['sequences_per_engine']} "
+          f"sampled responses per engine\n")
+    print(f"{'engine':7} {'trainer':7} " + " ".join(f"{k[9:]:>15}" for k in keys))
+    for r in rows:
+        print(f"{r['engine']:7} {r['trainer']:7} " + " ".join(f"{r[k]:>15.3e}" for k in keys))
+    print(f"{'bf16 / fp16':15} " + " ".join(f"{ratio[k]:>15.1f}" if k in ratio else f"{'-':>15}" for k in keys)
+          + "   (the paper: ~24x)")
+    print(f"\nby position in the response, matched dtypes: tokens, token k3, mean |log mu - log pi|")
+    print(f"{'positions':10} " + " ".join(f"{d:>28}" for d in DTYPES))
+    for b in sorted({r["positions"] for r in by_pos}, key=lambda s: int(s.split("-")[0])):
+        cells = {r["engine"]: r for r in by_pos if r["positions"] == b and r["engine"] == r["trainer"]}
+        print(f"{b:10} " + " ".join(f"{cells[d]['tokens']:>7} {cells[d]['mismatch_k3']:>10.2e} "
+                                    f"{cells[d]['mismatch_logp_abs_mean']:>9.2e}" if d in cells else f"{'-':>28}"
+                                    for d in DTYPES))
+    if args.json:
+        write_atomic(args.json, json.dumps(result, indent=2))
+        print(f"\nwritten to {args.json}")
+    return result
+
+
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dtype", default="fp16", help="fp16 | bf16 | fp32: trainer autocast and engine dtype")
@@ -387,13 +478,14 @@ def get_args(argv=None):
     p.add_argument("--sft-steps", type=int, default=600)
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--sft-batch", type=int, default=64)
-    p.add_argument("--sft-noise", type=float, default=0.03, help="chance each digit of a training solution is wrong")
+    p.add_argument("--sft-noise", type=float, default=0.005, help="chance each digit of a training solution is wrong")
     # GRPO
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--batch-size", type=int, default=16, help="prompts per step")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--batch-size", type=int, default=64, help="prompts per step")
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt (G >= 2)")
     p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--warmup-steps", type=int, default=10, help="linear learning-rate warm-up")
+    p.add_argument("--warmup-steps", type=int, default=5, help="linear learning-rate warm-up")
+    p.add_argument("--lr-schedule", default="cosine", choices=["cosine", "constant"], help="after the warm-up")
     p.add_argument("--clip-eps", type=float, default=0.2)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--updates-per-batch", type=int, default=1, help="optimizer steps per rollout batch")
@@ -401,12 +493,16 @@ def get_args(argv=None):
     p.add_argument("--correction", default="none", choices=["none", "tis", "mis"])
     p.add_argument("--is-cap", type=float, default=2.0, help="cap C of tis / mis")
     p.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to the warm start (0 = off)")
-    p.add_argument("--eval-every", type=int, default=20)
-    p.add_argument("--ckpt-every", type=int, default=20, help="steps between resumable checkpoints")
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--ckpt-every", type=int, default=10, help="steps between resumable checkpoints")
     p.add_argument("--max-skips", type=int, default=10, help="stop after more consecutive fp16 steps skipped")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--init", default=None, help="start RL from this checkpoint folder instead of the warm start")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="engine's share of GPU memory (GPU only)")
+    p.add_argument("--probe", action="store_true", help="no training: measure the mismatch of the starting weights "
+                   "(the warm start, or --init) in every engine x trainer dtype, on --group-size samples per "
+                   "held-out prompt")
+    p.add_argument("--json", default=None, help="with --probe: also write the results to this file")
     p.error = lambda message: fail(message)  # one line, exit 2 (argparse would add a usage block)
     args = p.parse_args(argv)
     args.max_new_tokens = args.max_new_tokens or 2 * args.n_items + 8
@@ -445,12 +541,18 @@ def check_args(args):
             load_hf(args.init)
         except ValueError as e:
             fail(f"--init: {e}")
-    has_run = os.path.isfile(os.path.join(args.out, "metrics.jsonl"))
+    if args.json and not args.probe:
+        fail("--json goes with --probe (a training run writes its results to --out)")
+    if args.probe:  # writes nothing but the warm-start cache and --json
+        folders = [args.warmstart_dir] + ([os.path.dirname(os.path.abspath(args.json))] if args.json else [])
+    else:
+        folders = [args.out, args.warmstart_dir]
+    has_run = not args.probe and os.path.isfile(os.path.join(args.out, "metrics.jsonl"))
     if args.resume and not os.path.isfile(os.path.join(args.out, "checkpoint.pt")):
         fail(f"--resume: {args.out} has no checkpoint.pt to resume from")
     if has_run and not args.resume:
         fail(f"--out {args.out} already holds a run: pass --resume to continue it, or choose another --out")
-    for folder in (args.out, args.warmstart_dir):
+    for folder in folders:
         try:
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, ".write-test"), "w"):
@@ -461,4 +563,5 @@ def check_args(args):
 
 
 if __name__ == "__main__":
-    train(get_args())
+    args = get_args()
+    probe(args) if args.probe else train(args)

@@ -42,7 +42,8 @@ def tiny_args(tmp, *extra):
     """train_grpo arguments for a small, fast run of the real pipeline."""
     import train_grpo
     return train_grpo.get_args(["--sft-steps", "40", "--sft-batch", "32", "--n-eval", "32",
-                                "--warmstart-dir", os.path.join(tmp, "warmstart"), *extra])
+                                "--warmstart-dir", os.path.join(tmp, "warmstart"),
+                                "--out", os.path.join(tmp, "run"), *extra])  # a later --out wins
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+import plot
 import train_grpo
 from conftest import tiny_args
 from precision import get_precision
@@ -41,6 +42,21 @@ def test_zero_advantage_gives_zero_gradient():
     logp = old.clone().requires_grad_()
     grpo_loss(logp, old, old, torch.zeros(2), MASK).backward()
     assert torch.count_nonzero(logp.grad) == 0
+
+
+def test_leaving_out_zero_advantage_sequences_keeps_the_loss_and_gradient():
+    """The loop drops A = 0 sequences from the backward but counts their tokens (n_tokens)."""
+    torch.manual_seed(0)
+    old = torch.randn(3, 3)
+    mask, adv = torch.tensor([[1., 1., 1.], [1., 1., 0.], [1., 0., 0.]]), torch.tensor([1.0, 0.0, -2.0])
+    full = old.clone().requires_grad_()
+    grpo_loss(full, old, old, adv, mask).backward()
+    keep = adv != 0
+    part = old[keep].clone().requires_grad_()
+    loss = grpo_loss(part, old[keep], old[keep], adv[keep], mask[keep], n_tokens=mask.sum())
+    loss.backward()
+    assert loss.item() == pytest.approx(grpo_loss(old, old, old, adv, mask).item(), abs=1e-7)
+    assert torch.allclose(part.grad, full.grad[keep]) and torch.count_nonzero(full.grad[~keep]) == 0
 
 
 def test_tis_weights_tokens_by_truncated_ratio_to_the_engine():
@@ -125,3 +141,26 @@ def test_real_rl_steps_in_each_dtype(engine, warm_dir, varied_reward):
         k3[name] = sum(r["mismatch_k3"] for r in rows) / len(rows)
     assert k3["fp32"] * 100 <= k3["bf16"], k3
     assert k3["bf16"] > k3["fp16"] > 0, k3
+
+    # plot.py draws these three real runs into one PNG, and reads each run's dtype from its args.json
+    png = os.path.join(warm_dir, "rl.png")
+    plot.main([os.path.join(warm_dir, d) for d in ("fp32", "bf16", "fp16")] + ["--out", png])
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert [plot.load_run(os.path.join(warm_dir, d))[0] for d in ("fp32", "bf16", "fp16")] == ["fp32", "bf16", "fp16"]
+    with pytest.raises(SystemExit):
+        plot.main([str(warm_dir), "--out", png])  # a folder that holds no run: one-line error
+
+
+def test_offline_probe(engine, warm_dir):
+    """Every engine x trainer dtype pair on the (tiny) warm start: the matched 16-bit rows order as the
+    formats' precision says, and the mismatch sits on the engine's and the trainer's rounding alike."""
+    out = os.path.join(warm_dir, "probe.json")
+    train_grpo.probe(tiny_args(warm_dir, "--probe", "--n-eval", "16", "--group-size", "4", "--json", out), engine)
+    result = json.load(open(out))
+    rows = {(r["engine"], r["trainer"]): r for r in result["rows"]}
+    assert len(rows) == 9 and result["sequences_per_engine"] == 64
+    k3 = {pair: r["mismatch_k3"] for pair, r in rows.items()}
+    assert k3[("fp32", "fp32")] * 100 <= k3[("fp16", "fp16")] < k3[("bf16", "bf16")], k3
+    assert k3[("bf16", "fp32")] > k3[("fp16", "fp32")] > k3[("fp32", "fp32")], k3  # engine-side rounding alone
+    assert result["bf16_over_fp16"]["mismatch_k3"] == k3[("bf16", "bf16")] / k3[("fp16", "fp16")]
+    assert {r["positions"] for r in result["by_position"]} >= {"0-7", "8-15"}

@@ -25,6 +25,8 @@ def rl(steps=4):
     (["--lr", "-1e-3"], "--lr"), (["--batch-size", "x"], "--batch-size"), (["--group-size", "1"], "--group-size"),
     (["--n-embd", "120"], "--n-embd"), (["--n-layer", "-2"], "--n-layer"), (["--init", "/nonexistent"], "--init"),
     (["--out", "/proc/cannot/write"], "/proc/cannot/write"), (["--resume", "--out", "/tmp/no-such-run"], "--resume"),
+    (["--json", "x.json"], "--probe"), (["--probe", "--json", "/proc/cannot/x.json"], "/proc/cannot"),
+    (["--lr-schedule", "linear"], "--lr-schedule"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
