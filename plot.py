@@ -26,6 +26,11 @@ PANELS = [("reward_mean", "training reward", "linear"), ("eval_accuracy", "held-
           ("grad_norm", "gradient norm (before clipping)", "log"), ("response_len_mean", "response length", "linear")]
 
 
+def fail(message):
+    print(f"error: {message}", file=sys.stderr)  # one line, exit 2, like train_grpo.py
+    sys.exit(2)
+
+
 def load_run(folder):
     try:
         with open(os.path.join(folder, "args.json")) as f:
@@ -33,9 +38,9 @@ def load_run(folder):
         with open(os.path.join(folder, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f if line.strip()]
     except (OSError, ValueError, KeyError) as e:
-        sys.exit(f"error: {folder} is not a train_grpo.py run folder ({e})")
+        fail(f"{folder} is not a train_grpo.py run folder ({e})")
     if not rows:
-        sys.exit(f"error: {folder} has no RL steps yet")
+        fail(f"{folder} has no RL steps yet")
     try:  # a finished run also has the held-out accuracy before RL
         with open(os.path.join(folder, "summary.json")) as f:
             rows = [{"step": -1, "eval_accuracy": json.load(f)["eval_accuracy_before"]}] + rows
@@ -56,9 +61,10 @@ def main(argv=None):
     p.add_argument("--out", default="figures/rl.png", help="PNG to write")
     p.add_argument("--smooth", type=int, default=5, help="moving-average window, in steps")
     p.add_argument("--title", default=None)
+    p.error = fail  # argparse would add a usage block
     args = p.parse_args(argv)
     if args.smooth < 1:
-        sys.exit("error: --smooth must be at least 1")
+        fail("--smooth must be at least 1")
     runs = [(folder, *load_run(folder)) for folder in args.runs]
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
