@@ -49,12 +49,6 @@ def load_run(folder):
     return dtype, rows
 
 
-def moving_average(y, w):
-    if len(y) < w:
-        return y
-    return np.convolve(y, np.ones(w) / w, mode="valid")
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description="plot several train_grpo.py runs, one colour per dtype")
     p.add_argument("runs", nargs="+", help="run folders (--out of train_grpo.py)")
@@ -81,8 +75,8 @@ def main(argv=None):
                 ax.plot(x + 1, y, "o-", color=color, label=name)
                 continue
             ax.plot(x, y, color=color, alpha=0.25, lw=0.8)
-            w = min(args.smooth, len(y))
-            ax.plot(x[w - 1:], moving_average(y, w), color=color, lw=2, label=name)
+            w = min(args.smooth, len(y))  # moving average over the last w steps
+            ax.plot(x[w - 1:], np.convolve(y, np.ones(w) / w, mode="valid"), color=color, lw=2, label=name)
         ax.set_title(label)
         ax.set_yscale(yscale)
         ax.set_xlabel("RL step (= updates made before it)")
