@@ -5,6 +5,7 @@ one panel per quantity against the RL step, one colour per dtype, like the paper
     python plot.py runs/fp16 runs/bf16 runs/fp32 --out figures/rl_default.png
 
 Each run's folder holds args.json (its flags, with the dtype) and metrics.jsonl (one row per step).
+It also prints, per run, the figures the README's tables quote (results, and medians of the timings).
 Per-step values are noisy at this batch size: thin lines are the raw values, thick ones a moving
 average over --smooth steps.
 """
@@ -49,6 +50,22 @@ def load_run(folder):
     return dtype, rows
 
 
+def report(folder, dtype, rows):
+    """Print the figures the README quotes for a run, all from its files: held-out accuracy before
+    and after, the mean of the last 10 rewards and of k3, and medians over the steps."""
+    steps = [r for r in rows if "reward_mean" in r]
+    evals = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
+    med = {k: float(np.median([r[k] for r in steps])) for k in
+           ("mismatch_prob_abs_max", "time_step_s", "time_rollout_s", "time_logprob_s", "time_train_s",
+            "time_sync_s", "rollout_tokens_per_s")}
+    print(f"{folder} ({dtype}): held-out {evals[0]:.3f} -> {evals[-1]:.3f} | last-10 reward "
+          f"{np.mean([r['reward_mean'] for r in steps[-10:]]):.3f} | k3 mean {np.mean([r['mismatch_k3'] for r in steps]):.1e}"
+          f" | max|mu - pi| median {med['mismatch_prob_abs_max']:.1e}\n    median step {med['time_step_s']:.2f} s: "
+          f"rollout {med['time_rollout_s']:.2f}, log-prob {med['time_logprob_s']:.2f}, train {med['time_train_s']:.2f}, "
+          f"sync {med['time_sync_s']:.3f} ({med['time_sync_s'] / med['time_step_s']:.1%}) | "
+          f"{med['rollout_tokens_per_s']:.0f} sampled tokens/s")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="plot several train_grpo.py runs, one colour per dtype")
     p.add_argument("runs", nargs="+", help="run folders (--out of train_grpo.py)")
@@ -60,6 +77,8 @@ def main(argv=None):
     if args.smooth < 1:
         fail("--smooth must be at least 1")
     runs = [(folder, *load_run(folder)) for folder in args.runs]
+    for folder, dtype, rows in runs:
+        report(folder, dtype, rows)
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
     for ax, (key, label, yscale) in zip(axes.flat, PANELS):

@@ -11,9 +11,10 @@ One function, get_precision("fp16" | "bf16" | "fp32"), decides for a whole run:
     float32's 8 exponent bits and never needs it; fp32 neither. Nothing else in the code branches
     on the dtype: a disabled scaler's scale/unscale_/step/update are plain pass-throughs.
 
-`python precision.py` prints the three formats side by side and shows how a log-prob summed over a
-sequence drifts when each token's log-prob is rounded to 16 bits.
+`python precision.py` prints the three formats side by side, shows how a log-prob summed over a
+sequence drifts when each token's log-prob is rounded to 16 bits, and times a 16-bit matmul on the CPU.
 """
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -142,6 +143,21 @@ def _teach():
     print("\nThe error of the sum grows with T (like sqrt(T) for independent roundings), and bf16's is"
           "\nabout 2**3 times fp16's: 3 fewer mantissa bits. That sum is the log of the sequence-level"
           "\nimportance weight pi / mu, so it drifts away from 1 fastest in bf16 and on long responses.")
+
+    # Why the trainer emulates 16-bit matmuls on a CPU (Emulated16BitMatmuls): most CPUs have no
+    # 16-bit matrix instructions, and PyTorch's fallback is far slower than float32.
+    a = torch.randn(512, 512, generator=g)
+    print("\nSpeed of a 512 x 512 matmul on this CPU, relative to float32 (median of 10):")
+    ms = {}
+    for name, dt in TORCH_DTYPE.items():
+        x, times = a.to(dt), []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            x @ x
+            times.append(time.perf_counter() - t0)
+        ms[name] = sorted(times)[5] * 1e3
+    for name, t in ms.items():
+        print(f"{name:9} {t:8.2f} ms  {t / ms['fp32']:6.1f}x")
 
 
 if __name__ == "__main__":
