@@ -21,6 +21,9 @@ from dataclasses import dataclass
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU; plenty for a small model
+# GPU only: vLLM serves a float32 model with its Triton attention backend, whose dot products default to
+# TF32 (10 mantissa bits): that would give the fp32 control a 16-bit-sized mismatch. Full float32 instead.
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 INSTALL_HINT = "vLLM is not installed: run `bash setup.sh` (or `pip install -r requirements-cpu.txt`, " \
                "`pip install -r requirements.txt` on a CUDA machine)"

@@ -32,7 +32,7 @@ import torch
 
 import task
 from model import GPT, GPTConfig, hf_named_tensors, load_hf, save_hf, token_logprobs
-from precision import get_precision, mismatch_metrics
+from precision import get_precision, machine, machine_line, mismatch_metrics
 from rollout import generate, require_vllm, start_engine, sync_weights  # vllm itself is imported lazily
 
 
@@ -145,9 +145,9 @@ def warm_start(args, cfg, device):
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    # How base models are trained: float32 master weights, bf16 autocast for the forward. bf16 shares
-    # float32's exponent range, so no loss scaling is needed.
-    autocast = get_precision("bf16", device).autocast()
+    # How base models are trained: float32 master weights, bf16 autocast for the forward (the gentler
+    # mixed precision; RL then uses the run's dtype throughout). bf16 needs no loss scaling.
+    forward = get_precision("bf16", device).autocast_forward(model)
     t0, losses = time.time(), []
     for step in range(args.sft_steps):
         lr = args.sft_lr * min(1.0, (step + 1) / 50) * (0.5 + 0.5 * math.cos(math.pi * step / args.sft_steps))
@@ -157,9 +157,7 @@ def warm_start(args, cfg, device):
         noise_rng = random.Random(f"noise-{args.seed}-{step}")
         answers = [task.answer_ids(task.noisy_answer(a, noise_rng, args.sft_noise)) for _, a in batch]
         idx, mask, _ = pack([task.prompt_ids(p) for p, _ in batch], answers, device)
-        with autocast:
-            logp = token_logprobs(model, idx)
-        loss = -(logp * mask).sum() / mask.sum()
+        loss = -(token_logprobs(forward, idx) * mask).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -194,6 +192,14 @@ def write_atomic(path, text):
     with open(path + ".tmp", "w") as f:
         f.write(text)
     os.replace(path + ".tmp", path)
+
+
+def json_line(rec):
+    """One metrics row as strict JSON: a non-finite number (an fp16 step's inf gradient norm) is not
+    valid JSON for other readers, so it is written as null and its key listed under "nonfinite"."""
+    bad = [k for k, v in rec.items() if isinstance(v, float) and not math.isfinite(v)]
+    rec = {**{k: None if k in bad else v for k, v in rec.items()}, **({"nonfinite": bad} if bad else {})}
+    return json.dumps(rec, allow_nan=False) + "\n"
 
 
 def read_metrics(path):
@@ -273,10 +279,11 @@ def _train(args, llm, stop):
         print(f"resuming {args.out} at step {start_step}")
     # Keep the metrics of the steps before the checkpoint, drop any after it: no step is ever duplicated.
     history = read_metrics(metrics_path)[:start_step] if args.resume else []
-    write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in history))
+    write_atomic(metrics_path, "".join(json_line(r) for r in history))
     # The run's settings beside its metrics, for plot.py and for whoever reads the folder later.
     settings = {k: v for k, v in vars(args).items() if k not in ("train_problems", "eval_problems")}
-    write_atomic(os.path.join(args.out, "args.json"), json.dumps({**settings, "dtype": prec.name}, indent=2))
+    write_atomic(os.path.join(args.out, "args.json"), json.dumps({**settings, "dtype": prec.name,
+                                                                    "machine": machine()}, indent=2))
 
     # The engine must serve the weights the trainer starts from: a resumed checkpoint's, or ours in a
     # caller's engine. For a fresh engine this reloads what it already holds (30 ms, same log-probs).
@@ -313,9 +320,9 @@ def _train(args, llm, stop):
             # 2. the trainer scores the same tokens in the run's dtype (pi, before the update)
             idx, mask, mu_logp = pack([s.prompt_ids for s in samples], [s.response_ids for s in samples], device,
                                       [s.logprobs for s in samples])
-            with torch.no_grad(), prec.autocast():
-                old_logp = token_logprobs(model, idx)
-                ref_logp = token_logprobs(ref_model, idx) if ref_model is not None else None
+            with torch.no_grad():
+                old_logp = token_logprobs(prec.forward(model), idx)
+                ref_logp = token_logprobs(prec.forward(ref_model), idx) if ref_model is not None else None
             for name, t in (("engine log-prob", mu_logp), ("trainer log-prob", old_logp)):
                 if not torch.isfinite(t[mask.bool()]).all():
                     halt(step, f"non-finite {name}")
@@ -331,8 +338,7 @@ def _train(args, llm, stop):
             if args.kl_coef or not keep.any():  # the KL term counts every token; a batch of A = 0 still steps
                 keep = torch.ones_like(keep)
             for _ in range(args.updates_per_batch):
-                with prec.autocast():
-                    logp = token_logprobs(model, idx[keep])
+                logp = token_logprobs(prec.forward(model), idx[keep])
                 loss = grpo_loss(logp, old_logp[keep], mu_logp[keep], adv[keep], mask[keep], args.clip_eps,
                                  args.correction, args.is_cap, ref_logp[keep] if args.kl_coef else None,
                                  args.kl_coef, n_tokens=mask.sum())
@@ -355,7 +361,7 @@ def _train(args, llm, stop):
                 rec["eval_accuracy"] = evaluate(llm, args, step)
             rec["time_step_s"] = time.perf_counter() - t0
             history.append(rec)
-            mf.write(json.dumps(rec) + "\n")
+            mf.write(json_line(rec))
             mf.flush()
             print(f"step {step:4d} | reward {rec['reward_mean']:.3f} | k3 {rec['mismatch_k3']:.2e} "
                   f"| max|dp| {rec['mismatch_prob_abs_max']:.2e} | gnorm {grad_norm:.3f} "
@@ -383,84 +389,16 @@ def _train(args, llm, stop):
                "reward_mean_last10": sum(r["reward_mean"] for r in last) / len(last),
                "mismatch_k3_mean": sum(r["mismatch_k3"] for r in history) / len(history),
                "steps_skipped": sum(r["step_skipped"] for r in history),
-               "wall_s": time.time() - t_start}
+               "wall_s": time.time() - t_start, "machine": machine_line(machine())}
     write_atomic(os.path.join(args.out, "summary.json"), json.dumps(summary, indent=2))
     print("summary: " + " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     return summary
 
 
-# ---------------------------------------------------------------------------------------------------
-# The offline mismatch probe (the paper's first experiment): no training, one checkpoint
-
-DTYPES = ("fp32", "bf16", "fp16")
-
-
-def probe(args, engine=None):
-    """Every engine dtype against every trainer dtype on the same weights (the warm start, or --init).
-    Each engine samples --group-size responses to each held-out prompt under the same seed; the trainer
-    scores the same tokens in each dtype. The diagonal is what a run in that dtype sees; the mixed rows
-    (engine 16-bit, trainer fp32 and the reverse) show which side's rounding makes the mismatch.
-    `engine`: vllm_dtype -> a running engine to reuse (the tests share theirs); the weights are synced in."""
-    require_vllm()
-    device = get_precision("fp32").device
-    ckpt = args.init or warm_start(args, model_config(args), device)[0]
-    model = load_hf(ckpt, device).eval()
-    engine = engine or (lambda vllm_dtype: start_engine(ckpt, vllm_dtype, args.seed, args.max_seq_len,
-                                                        args.gpu_memory_utilization))
-    prompts = [task.prompt_ids(p) for p, _ in args.eval_problems]
-    width = math.ceil(args.max_new_tokens / 4)  # four buckets of response positions
-    rows, by_pos, engines = [], [], []
-    for eng in DTYPES:
-        prec = get_precision(eng, device)
-        # Every engine stays referenced until the end: destroying an in-process vLLM engine tears down
-        # process-wide state that the others still use. (On a GPU each holds --gpu-memory-utilization.)
-        engines.append(llm := engine(prec.vllm_dtype))
-        sync_weights(llm, hf_named_tensors(model), prec.dtype)
-        torch.manual_seed(args.seed)  # every engine draws the same random numbers
-        samples = generate(llm, prompts, args.group_size, args.max_new_tokens, task.EOS_ID)
-        idx, mask, mu = pack([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                             device, [s.logprobs for s in samples])
-        pos = (mask.cumsum(1) - 1) * mask  # position of each predicted token within its response
-        for tr in DTYPES:
-            with torch.no_grad(), get_precision(tr, device).autocast():
-                pi = token_logprobs(model, idx)
-            rows.append({"engine": eng, "trainer": tr, **mismatch_metrics(mu, pi, mask)})
-            for lo in range(0, args.max_new_tokens, width):
-                in_bucket = mask * (pos >= lo) * (pos < lo + width)
-                if in_bucket.sum() > 0:
-                    by_pos.append({"engine": eng, "trainer": tr, "positions": f"{lo}-{lo + width - 1}",
-                                   "tokens": int(in_bucket.sum()), **mismatch_metrics(mu, pi, in_bucket)})
-    matched = {r["engine"]: r for r in rows if r["engine"] == r["trainer"]}
-    # k1 is signed (its errors cancel), so a ratio of it means nothing; every other metric is >= 0.
-    ratio = {k: matched["bf16"][k] / matched["fp16"][k] for k in matched["fp16"]
-             if k.startswith("mismatch_") and k != "mismatch_k1"}
-    result = {"checkpoint": ckpt, "sequences_per_engine": len(prompts) * args.group_size, "rows": rows,
-              "by_position": by_pos, "bf16_over_fp16": ratio}
-
-    keys = [k for k in rows[0] if k.startswith("mismatch_")]
-    print(f"\nmismatch between engine (mu) and trainer (pi) on {ckpt}, {result['sequences_per_engine']} "
-          f"sampled responses per engine\n")
-    print(f"{'engine':7} {'trainer':7} " + " ".join(f"{k[9:]:>15}" for k in keys))
-    for r in rows:
-        print(f"{r['engine']:7} {r['trainer']:7} " + " ".join(f"{r[k]:>15.3e}" for k in keys))
-    print(f"{'bf16 / fp16':15} " + " ".join(f"{ratio[k]:>15.1f}" if k in ratio else f"{'-':>15}" for k in keys)
-          + "   (the paper: ~24x)")
-    print(f"\nby position in the response, matched dtypes: tokens, token k3, mean |log mu - log pi|")
-    print(f"{'positions':10} " + " ".join(f"{d:>28}" for d in DTYPES))
-    for b in sorted({r["positions"] for r in by_pos}, key=lambda s: int(s.split("-")[0])):
-        cells = {r["engine"]: r for r in by_pos if r["positions"] == b and r["engine"] == r["trainer"]}
-        print(f"{b:10} " + " ".join(f"{cells[d]['tokens']:>7} {cells[d]['mismatch_k3']:>10.2e} "
-                                    f"{cells[d]['mismatch_logp_abs_mean']:>9.2e}" if d in cells else f"{'-':>28}"
-                                    for d in DTYPES))
-    if args.json:
-        write_atomic(args.json, json.dumps(result, indent=2))
-        print(f"\nwritten to {args.json}")
-    return result
-
-
-def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--dtype", default="fp16", help="fp16 | bf16 | fp32: trainer autocast and engine dtype")
+def make_parser(description):
+    """The flags of a run; probe.py adds its own to the same parser (same task, model, warm start)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--dtype", default="fp16", help="fp16 | bf16 | fp32: the trainer's and the engine's dtype")
     p.add_argument("--out", default=None, help="output folder (default runs/<dtype>)")
     p.add_argument("--warmstart-dir", default="runs/warmstart", help="cache of warm-start checkpoints")
     p.add_argument("--seed", type=int, default=0)
@@ -499,15 +437,19 @@ def get_args(argv=None):
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--init", default=None, help="start RL from this checkpoint folder instead of the warm start")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="engine's share of GPU memory (GPU only)")
-    p.add_argument("--probe", action="store_true", help="no training: measure the mismatch of the starting weights "
-                   "(the warm start, or --init) in every engine x trainer dtype, on --group-size samples per "
-                   "held-out prompt")
-    p.add_argument("--json", default=None, help="with --probe: also write the results to this file")
     p.error = lambda message: fail(message)  # one line, exit 2 (argparse would add a usage block)
-    args = p.parse_args(argv)
+    return p
+
+
+def get_args(argv=None):
+    return finish_args(make_parser(__doc__.split("\n")[1]).parse_args(argv), training=True)
+
+
+def finish_args(args, training, json_out=None):
+    """Fill in the derived settings, refuse bad input, then make the problem generators."""
     args.max_new_tokens = args.max_new_tokens or 2 * args.n_items + 8
     args.out = args.out or os.path.join("runs", str(args.dtype))
-    check_args(args)
+    check_args(args, training, json_out)
     args.train_problems, args.eval_problems = task.make_splits(args.seed, args.n_items, args.n_eval)
     return args
 
@@ -517,7 +459,7 @@ def fail(message):
     sys.exit(2)
 
 
-def check_args(args):
+def check_args(args, training, json_out):
     """Refuse bad input before any model is built, engine started or file written."""
     for flag in ("n_items", "n_eval", "max_new_tokens", "n_layer", "n_head", "n_embd", "n_hidden", "max_seq_len",
                  "sft_steps", "sft_batch", "steps", "batch_size", "warmup_steps", "updates_per_batch", "eval_every",
@@ -541,13 +483,11 @@ def check_args(args):
             load_hf(args.init)
         except ValueError as e:
             fail(f"--init: {e}")
-    if args.json and not args.probe:
-        fail("--json goes with --probe (a training run writes its results to --out)")
-    if args.probe:  # writes nothing but the warm-start cache and --json
-        folders = [args.warmstart_dir] + ([os.path.dirname(os.path.abspath(args.json))] if args.json else [])
-    else:
+    if training:
         folders = [args.out, args.warmstart_dir]
-    has_run = not args.probe and os.path.isfile(os.path.join(args.out, "metrics.jsonl"))
+    else:  # probe.py writes nothing but the warm-start cache and its --json
+        folders = [args.warmstart_dir] + ([os.path.dirname(os.path.abspath(json_out))] if json_out else [])
+    has_run = training and os.path.isfile(os.path.join(args.out, "metrics.jsonl"))
     if args.resume and not os.path.isfile(os.path.join(args.out, "checkpoint.pt")):
         fail(f"--resume: {args.out} has no checkpoint.pt to resume from")
     if has_run and not args.resume:
@@ -563,5 +503,4 @@ def check_args(args):
 
 
 if __name__ == "__main__":
-    args = get_args()
-    probe(args) if args.probe else train(args)
+    train(get_args())

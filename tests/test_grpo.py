@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import plot
+import probe
 import train_grpo
 from conftest import tiny_args
-from precision import get_precision
+from precision import INIT_SCALE, get_precision, mismatch_metrics
 from train_grpo import group_advantages, grpo_loss, optimizer_step
 
 # Two sequences of three response tokens; the second one's last token is padding.
@@ -151,16 +152,45 @@ def test_real_rl_steps_in_each_dtype(engine, warm_dir, varied_reward):
         plot.main([str(warm_dir), "--out", png])  # a folder that holds no run: one-line error
 
 
+def probe_argv(warm_dir, experiment, *extra):
+    return [experiment, "--sft-steps", "40", "--sft-batch", "32", "--n-eval", "16", "--group-size", "4",
+            "--warmstart-dir", os.path.join(warm_dir, "warmstart"), *extra]
+
+
 def test_offline_probe(engine, warm_dir):
-    """Every engine x trainer dtype pair on the (tiny) warm start: the matched 16-bit rows order as the
+    """Every engine x trainer pair on the (tiny) warm start: the matched 16-bit rows order as the
     formats' precision says, and the mismatch sits on the engine's and the trainer's rounding alike."""
     out = os.path.join(warm_dir, "probe.json")
-    train_grpo.probe(tiny_args(warm_dir, "--probe", "--n-eval", "16", "--group-size", "4", "--json", out), engine)
+    probe.main(probe_argv(warm_dir, "mismatch", "--json", out), engine)
     result = json.load(open(out))
     rows = {(r["engine"], r["trainer"]): r for r in result["rows"]}
-    assert len(rows) == 9 and result["sequences_per_engine"] == 64
+    assert len(rows) == 15 and result["sequences_per_engine"] == 64 and result["machine"]["torch"]
     k3 = {pair: r["mismatch_k3"] for pair, r in rows.items()}
     assert k3[("fp32", "fp32")] * 100 <= k3[("fp16", "fp16")] < k3[("bf16", "bf16")], k3
     assert k3[("bf16", "fp32")] > k3[("fp16", "fp32")] > k3[("fp32", "fp32")], k3  # engine-side rounding alone
     assert result["bf16_over_fp16"]["mismatch_k3"] == k3[("bf16", "bf16")] / k3[("fp16", "fp16")]
     assert {r["positions"] for r in result["by_position"]} >= {"0-7", "8-15"}
+
+
+def test_fp16_backward_loses_gradient_to_underflow_without_loss_scaling(engine, warm_dir, varied_reward):
+    """A real fp16 backward through the 16-bit trainer, one GRPO batch: unscaled, most entries of the
+    logits' gradient underflow (stored as 0 or a subnormal, with fewer than fp16's 10 mantissa bits);
+    at the GradScaler's initial scale almost none do, and the weights' gradient is closer to float32's;
+    2**24 overflows."""
+    result = probe.main(probe_argv(warm_dir, "scaler", "--batch-size", "16"), engine)
+    rows = {(r["dtype"], r["loss_scale"]): r for r in result["rows"]}
+    plain, scaled = rows[("fp16", 1.0)], rows[("fp16", INIT_SCALE)]
+    assert plain["logit_grad_underflow"] > 0.5 and scaled["logit_grad_underflow"] < plain["logit_grad_underflow"] / 10, rows
+    assert scaled["logit_grad_zero"] <= plain["logit_grad_zero"] and scaled["weight_grad_zero"] <= plain["weight_grad_zero"]
+    assert scaled["rel_error"] < plain["rel_error"], rows
+    assert not rows[("fp16", 2.0 ** 24)]["finite"] and rows[("bf16", 1.0)]["finite"]
+
+
+def test_metrics_lines_are_strict_json_and_k3_is_accurate_at_float32s_floor():
+    line = train_grpo.json_line({"step": 3, "grad_norm": float("inf"), "loss": float("nan"), "reward_mean": 0.5})
+    assert json.loads(line) == {"step": 3, "grad_norm": None, "loss": None, "reward_mean": 0.5,
+                                "nonfinite": ["grad_norm", "loss"]}
+    d = torch.tensor([[1e-8, -2e-8, 3e-9]], dtype=torch.float64)  # log mu - log pi, an fp32 run's size
+    k3 = mismatch_metrics(d.float().double(), torch.zeros_like(d), torch.ones_like(d))["mismatch_k3"]
+    # r - 1 - log r = d^2 / 2 + O(d^3): every term positive, none lost to rounding
+    assert k3 > 0 and k3 == pytest.approx((d.float().double() ** 2 / 2).mean().item(), rel=1e-6)

@@ -16,8 +16,8 @@ def engine_vs_trainer(llm, model, prec, n=4, max_tokens=32, seed=0):
     samples = rollout.generate(llm, PROMPTS, n, max_tokens, task.EOS_ID)
     idx, mask, mu = pack([s.prompt_ids for s in samples], [s.response_ids for s in samples], "cpu",
                          [s.logprobs for s in samples])
-    with torch.no_grad(), prec.autocast():
-        pi = token_logprobs(model, idx)
+    with torch.no_grad():
+        pi = token_logprobs(prec.forward(model), idx)
     return (mu - pi).abs()[mask.bool()]
 
 
