@@ -149,7 +149,7 @@ def scaler(args, engine=None):
             logits.register_hook(lambda g: seen.update(logits=g))  # returns None: g goes on unchanged
             return logits
         logp = token_logprobs(forward_keeping_logit_grad, idx)
-        loss = grpo_loss(logp, logp.detach(), mu, adv, mask)  # one step's loss: ratio 1, the plain policy gradient
+        loss, _ = grpo_loss(logp, logp.detach(), mu, adv, mask)  # one step's loss: ratio 1, the plain policy gradient
         g = flat_grad(model, loss * scale) / scale
         return seen["logits"], g
 

@@ -3,19 +3,23 @@ train_grpo.py: RL fine-tuning (GRPO) of a small GPT whose rollouts come from the
 with one --dtype flag that switches both sides, trainer and engine, between fp16, bf16 and fp32.
 
     python train_grpo.py --dtype fp16     # or bf16, fp32: same data, same seed, same starting weights
-    python train_grpo.py --probe          # no training: the offline mismatch of every dtype pairing
 
 The run, top to bottom:
-  1. warm start: supervised training on worked solutions (bf16 autocast, float32 master weights),
-     cached under --warmstart-dir, so every dtype starts from bit-identical float32 weights;
+  1. warm start: supervised training on worked solutions, cached, so every dtype starts from
+     bit-identical float32 weights;
   2. start the vLLM engine on those weights in the run's dtype;
-  3. each step: the engine samples a group of responses per prompt (mu = its log-probs), the
-     trainer re-scores them in the run's dtype (pi), we log how far mu is from pi, take one GRPO
-     step through the GradScaler, and push the new weights into the engine in place.
+  3. each step: rollout (the engine samples G responses per prompt, with its log-probs mu), score
+     (the trainer's log-probs pi of the same tokens, and how far mu is from pi), one GRPO step through
+     the GradScaler, sync (the new weights go into the engine in place), log.
 
 What it teaches: the engine and the trainer compute "the same" probabilities with different kernels.
 In bf16 (7 mantissa bits) they disagree enough to bias the policy gradient; in fp16 (10 bits, with
 loss scaling for its narrow range) the disagreement shrinks many times; in fp32 it all but vanishes.
+
+Left out on purpose: a value network (GRPO needs none), a reference-model KL by default (--kl-coef
+adds one), sequence packing, gradient accumulation, distributed training and an asynchronous engine:
+none changes where the dtype enters, and each would hide it under more code. The run's hardening
+(lock, signals, resume, atomic files) sits at the bottom, out of the reader's way.
 """
 import argparse
 import fcntl
@@ -27,17 +31,100 @@ import random
 import signal
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 
 import task
 from model import GPT, GPTConfig, hf_named_tensors, load_hf, save_hf, token_logprobs
-from precision import get_precision, machine, machine_line, mismatch_metrics
+from precision import ALIASES, get_precision, machine, machine_line, mismatch_metrics
 from rollout import generate, require_vllm, start_engine, sync_weights  # vllm itself is imported lazily
+
+# The paper's algorithms (grpo_loss) and the cap C each one's importance weights use by default:
+# Token-TIS 2 and GRPO + Seq-MIS 10 from the paper's oat sanity scripts (--tis_c 2, --seq_is_clip_max
+# 10); PG-Seq-IS unbounded (oat's default); PG-Seq-MIS 3 (oat's bf16_seq_mis.sh). GSPO clips its
+# length-normalised sequence ratio to [1 - 3e-4, 1 + 4e-4] (the GSPO paper's range, as oat uses it).
+ALGORITHMS = ("grpo", "token-tis", "seq-mis", "pg-seq-is", "pg-seq-mis", "gspo")
+CAPS = {"token-tis": 2.0, "seq-mis": 10.0, "pg-seq-is": math.inf, "pg-seq-mis": 3.0}
+GSPO_CLIP = (3e-4, 4e-4)
 
 
 # ---------------------------------------------------------------------------------------------------
-# The GRPO loss, by hand
+# Flags
+
+def number(kind, low=0.0, low_ok=False, high=None):
+    """An argparse type: a `kind` number above `low` (or equal to it if low_ok), below `high`."""
+    def parse(text):
+        value = kind(text)  # a ValueError becomes argparse's "invalid float value"
+        if value < low or (value == low and not low_ok) or (high is not None and value > high):
+            bound = f">= {low}" if low_ok else f"> {low}"
+            raise argparse.ArgumentTypeError(f"must be {bound}" + (f" and <= {high}" if high else "") + f", got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+POS_INT, POS_FLOAT, NONNEG = number(int), number(float), number(float, low_ok=True)
+
+
+def make_parser(description):
+    """The flags of a run; probe.py adds its own to the same parser (same task, model, warm start)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--dtype", default="fp16", choices=sorted(ALIASES), metavar="{fp16,bf16,fp32}",
+                   help="the trainer's and the engine's dtype")
+    p.add_argument("--out", default=None, help="output folder (default runs/<dtype>)")
+    p.add_argument("--warmstart-dir", default="runs/warmstart", help="cache of warm-start checkpoints")
+    p.add_argument("--seed", type=int, default=0, help="task splits, warm start, and the RL phase")
+    p.add_argument("--rl-seed", type=int, default=None, help="the RL phase's prompts and sampling alone "
+                   "(default: --seed): seeds of one warm start")
+    # the task
+    p.add_argument("--n-items", type=POS_INT, default=12, help="digits to sort: the response is 2*n tokens")
+    p.add_argument("--n-eval", type=POS_INT, default=256, help="held-out problems")
+    p.add_argument("--max-new-tokens", type=POS_INT, default=None, help="default: 2*n-items + 8")
+    # the model
+    p.add_argument("--n-layer", type=POS_INT, default=4)
+    p.add_argument("--n-head", type=POS_INT, default=4)
+    p.add_argument("--n-embd", type=POS_INT, default=128)
+    p.add_argument("--n-hidden", type=POS_INT, default=384)
+    p.add_argument("--max-seq-len", type=POS_INT, default=128)
+    # warm start
+    p.add_argument("--sft-steps", type=POS_INT, default=600)
+    p.add_argument("--sft-lr", type=POS_FLOAT, default=3e-3)
+    p.add_argument("--sft-batch", type=POS_INT, default=64)
+    p.add_argument("--sft-noise", type=number(float, low_ok=True, high=0.999), default=0.005,
+                   help="chance each digit of a training solution is wrong")
+    # GRPO
+    p.add_argument("--steps", type=POS_INT, default=40)
+    p.add_argument("--batch-size", type=POS_INT, default=64, help="prompts per step")
+    p.add_argument("--group-size", type=number(int, low=2, low_ok=True), default=8,
+                   help="samples per prompt (GRPO compares samples within a group, so >= 2)")
+    p.add_argument("--lr", type=POS_FLOAT, default=3e-4)
+    p.add_argument("--warmup-steps", type=POS_INT, default=5, help="linear learning-rate warm-up")
+    p.add_argument("--lr-schedule", default="cosine", choices=["cosine", "constant"], help="after the warm-up")
+    p.add_argument("--algorithm", default="grpo", choices=ALGORITHMS, help="the loss (grpo_loss's docstring)")
+    p.add_argument("--is-cap", type=POS_FLOAT, default=None, help="cap C of the importance weights "
+                   "(default: the algorithm's own, CAPS)")
+    p.add_argument("--behavior-logp", default="trainer", choices=["trainer", "engine"],
+                   help="pi_old: the trainer re-scores the samples, or the engine's own log-probs (mu)")
+    p.add_argument("--clip-eps", type=POS_FLOAT, default=0.2, help="PPO clip range (GSPO has its own)")
+    p.add_argument("--max-grad-norm", type=POS_FLOAT, default=1.0)
+    p.add_argument("--updates-per-batch", type=POS_INT, default=1, help="optimizer steps per rollout batch")
+    p.add_argument("--no-std", action="store_true", help="Dr. GRPO: do not divide advantages by the group std")
+    p.add_argument("--kl-coef", type=NONNEG, default=0.0, help="k3 KL to the warm start (0 = off)")
+    p.add_argument("--eval-every", type=POS_INT, default=10)
+    p.add_argument("--ckpt-every", type=POS_INT, default=10, help="steps between resumable checkpoints")
+    p.add_argument("--max-skips", type=number(int, low_ok=True), default=10,
+                   help="stop after more consecutive fp16 steps skipped")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--init", default=None, help="start RL from this checkpoint folder instead of the warm start")
+    p.add_argument("--gpu-memory-utilization", type=number(float, high=1.0), default=0.3,
+                   help="engine's share of GPU memory (GPU only)")
+    p.error = lambda message: fail(message)  # one line, exit 2 (argparse would add a usage block)
+    return p
+
+
+# ---------------------------------------------------------------------------------------------------
+# The loss, by hand
 
 def group_advantages(rewards, group_size, scale_by_std=True, eps=1e-6):
     """rewards (N,) laid out as N/G groups of G samples of one prompt -> advantages (N,).
@@ -50,51 +137,102 @@ def group_advantages(rewards, group_size, scale_by_std=True, eps=1e-6):
     return adv.view(-1)
 
 
-def grpo_loss(logp, old_logp, mu_logp, adv, mask, clip_eps=0.2, correction="none", cap=2.0,
+def grpo_loss(logp, old_logp, mu_logp, adv, mask, algorithm="grpo", clip_eps=0.2, cap=None,
               ref_logp=None, kl_coef=0.0, n_tokens=None):
-    """All per-token tensors are (N, T), aligned with the predicted token; mask is 1 on response tokens.
-      logp      trainer log-probs with gradient (pi_theta)
-      old_logp  trainer log-probs before this update, no gradient (pi_old, the run's dtype)
-      mu_logp   the engine's log-probs of the same tokens (mu, the policy that actually sampled)
-    PPO: ratio = pi_theta / pi_old, loss = -min(ratio A, clip(ratio, 1 - eps, 1 + eps) A).
-    With one optimizer step per rollout batch (the default) pi_old is pi_theta itself at the moment of
-    the step: ratio = 1, clipping is inactive, and the gradient is the plain policy gradient of pi.
-    But the samples came from mu, not pi, so the true importance weight of the update is pi / mu: it
-    differs from 1 by the training-inference mismatch alone, and vanilla GRPO ignores it. That is the
-    bias the dtype controls. The corrections the paper compares FP16 against reweight by it:
-      none  the vanilla baseline
-      tis   token-level truncated importance sampling: weight each token by min(pi_old / mu, cap)
-      mis   sequence-level masked importance sampling: weight a sequence by rho = prod(pi_old / mu)
-            over its tokens, and drop it (weight 0) when rho > cap
-    Normalisation: token-level mean over all response tokens of the batch (DAPO), so long responses
-    are not down-weighted per token; n_tokens, when given, is that count for a batch of which only
-    some sequences were passed in. Optional k3 KL penalty to a reference policy (ref_logp)."""
-    ratio = torch.exp(logp - old_logp)
-    a = adv[:, None]
-    per_token = -torch.min(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
-    log_w = (old_logp - mu_logp).detach() * mask  # log of the token importance weight pi_old / mu
-    if correction == "tis":
-        per_token = per_token * torch.exp(log_w).clamp(max=cap)
-    elif correction == "mis":
-        rho = torch.exp(log_w.sum(dim=1, keepdim=True))
-        per_token = per_token * torch.where(rho <= cap, rho, torch.zeros_like(rho))
-    elif correction != "none":
-        raise ValueError(f"unknown correction {correction!r}")
+    """Returns (loss, stats). Per-token tensors are (N, T), aligned with the predicted token; mask is 1
+    on response tokens. logp: the trainer's log-probs with gradient (pi_theta); old_logp: pi_old, no
+    gradient (the trainer's re-scoring before the update, or mu itself with --behavior-logp engine);
+    mu_logp: the engine's log-probs of the same tokens (mu, the policy that actually sampled).
+
+    The samples come from mu, but the objective is defined by pi: the unbiased policy gradient is
+    E_mu[(pi/mu) A grad log pi]. Vanilla GRPO drops pi/mu, which differs from 1 by the training-inference
+    mismatch alone: that is the bias the dtype controls. With one update per batch and pi_old from the
+    trainer, pi_old = pi_theta at the step, so the PPO ratio is 1 and clipping is inactive. The paper's
+    algorithms (r_t = pi_theta / pi_old per token, rho = prod_t pi_old / mu per sequence, C = cap):
+      grpo        -min(r_t A, clip(r_t, 1 - eps, 1 + eps) A)                       PPO-clip, no correction
+      token-tis   grpo, each token times min(pi_old / mu, C)                       truncated token IS
+      seq-mis     grpo, each sequence times rho, or 0 when rho > C                 masked sequence IS
+      pg-seq-is   -w A log pi_theta, w = min(prod_t pi_theta.detach() / mu, C)     plain PG, unbiased if C = inf
+      pg-seq-mis  the same with w = 0 when it exceeds C                            dropped, not truncated
+      gspo        the PPO-clip form on s = exp(mean_t log(pi_theta / pi_old)), one ratio per sequence,
+                  clipped to [1 - 3e-4, 1 + 4e-4]
+    Normalisation: the sum over every response token of the batch divided by their count (DAPO's token
+    mean); n_tokens, when given, is that count for a batch of which only some sequences were passed in.
+    Optional k3 KL penalty to a reference policy (ref_logp)."""
+    cap = CAPS.get(algorithm, math.inf) if cap is None else cap
+    a, stats = adv[:, None], {}
+    log_rho = ((old_logp - mu_logp).detach() * mask).sum(1, keepdim=True)  # log of prod_t pi_old / mu
+
+    def capped(w, mask_instead):  # truncate (or drop) importance weights above the cap, with their stats
+        over = w > cap
+        stats.update(is_weight_mean=w.mean().item(), is_weight_max=w.max().item(),
+                     is_capped_frac=over.float().mean().item())
+        return torch.where(over, torch.zeros_like(w), w) if mask_instead else w.clamp(max=cap)
+
+    if algorithm in ("pg-seq-is", "pg-seq-mis"):
+        w = torch.exp(((logp.detach() - mu_logp) * mask).sum(1, keepdim=True))
+        per_token = -capped(w, algorithm == "pg-seq-mis") * a * logp
+    else:
+        if algorithm == "gspo":
+            lo, hi = GSPO_CLIP
+            ratio = torch.exp(((logp - old_logp) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1))
+        else:
+            lo = hi = clip_eps
+            ratio = torch.exp(logp - old_logp)
+        per_token = -torch.min(ratio * a, ratio.clamp(1 - lo, 1 + hi) * a)
+        # Where the clip binds (so the token or sequence gets no gradient), by the sign of the advantage.
+        clipped = (((a > 0) & (ratio > 1 + hi)) | ((a < 0) & (ratio < 1 - lo))).expand_as(mask) * mask.bool()
+        for sign, side in (("pos", a > 0), ("neg", a < 0)):
+            tokens = mask.bool() & side
+            stats[f"clip_frac_{sign}"] = (clipped & tokens).sum().item() / max(1, tokens.sum().item())
+        stats["clip_seq_frac"] = clipped.any(1).float().mean().item()
+        stats["ratio_dev_max"] = ((ratio.detach() - 1).abs() * mask).max().item()  # how far pi_theta is from pi_old
+        if algorithm == "token-tis":
+            per_token = per_token * capped(torch.exp((old_logp - mu_logp).detach() * mask), False)
+        elif algorithm == "seq-mis":
+            per_token = per_token * capped(torch.exp(log_rho), True)
     if kl_coef:
         log_r = ref_logp.detach() - logp  # k3 estimator of KL(pi || ref): r - 1 - log r, r = ref / pi
         per_token = per_token + kl_coef * (torch.exp(log_r) - 1 - log_r)
-    return (per_token * mask).sum() / (mask.sum() if n_tokens is None else n_tokens).clamp(min=1)
+    return (per_token * mask).sum() / (mask.sum() if n_tokens is None else n_tokens).clamp(min=1), stats
 
 
-def optimizer_step(model, opt, scaler, loss, max_grad_norm):
-    """Scaled backward, unscale, clip, step, update. Returns (grad norm, skipped).
-    fp16: the loss is multiplied by the scale so small gradients survive fp16's range; unscale_ divides
-    the float32 master gradients back before clipping, so the clip sees true norms; scaler.step skips
-    the optimizer step if any gradient is inf/nan, and update() then halves the scale.
-    bf16/fp32: the scaler is disabled and these same lines pass straight through; a non-finite
-    gradient there is never 'expected', so we skip the step (weights untouched) and report it."""
-    opt.zero_grad(set_to_none=True)
-    scaler.scale(loss).backward()
+def grpo_step(model, opt, scaler, prec, batch, args):
+    """The loop's step 3: loss, scaled backward, unscale, clip, optimizer step (--updates-per-batch
+    times). Returns the first update's stats, with pi (the trainer's log-probs before the update) when
+    the batch came without one (--behavior-logp engine skips the separate re-scoring forward)."""
+    # A sequence with A = 0 (every group whose samples all agree) adds exactly 0 to the loss and its
+    # gradient: leave it out of the forward and backward, but keep all response tokens in the
+    # token-mean's denominator. Same gradient, less work (half of it near 90 % reward). Kept in when
+    # the first forward must also give pi for every token, and for the KL term, which counts them all.
+    keep = batch["adv"] != 0
+    if args.kl_coef or "pi_logp" not in batch or not keep.any():
+        keep = torch.ones_like(keep)
+    old_logp = batch["mu_logp"] if args.behavior_logp == "engine" else batch["pi_logp"]
+    first = None
+    for _ in range(args.updates_per_batch):
+        logp = token_logprobs(prec.forward(model), batch["idx"][keep])
+        loss, stats = grpo_loss(logp, old_logp[keep], batch["mu_logp"][keep], batch["adv"][keep], batch["mask"][keep],
+                                algorithm=args.algorithm, clip_eps=args.clip_eps, cap=args.is_cap,
+                                ref_logp=batch["ref_logp"][keep] if args.kl_coef else None,
+                                kl_coef=args.kl_coef, n_tokens=batch["mask"].sum())
+        if not torch.isfinite(loss):
+            return {"nonfinite": f"non-finite loss ({loss.item()})"}
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()  # fp16: loss x scale, so small gradients survive fp16's range
+        grad_norm, skipped = unscale_clip_step(model, opt, scaler, args.max_grad_norm)
+        if first is None:
+            first = {"loss": loss.item(), **stats, "grad_norm": grad_norm, "step_skipped": skipped,
+                     "loss_scale": scaler.get_scale(), **({} if "pi_logp" in batch else {"pi_logp": logp.detach()})}
+    return first
+
+
+def unscale_clip_step(model, opt, scaler, max_grad_norm):
+    """Returns (grad norm, skipped). fp16: unscale_ divides the float32 master gradients by the scale
+    before clipping, so the clip sees true norms; scaler.step skips the optimizer step if any gradient
+    is inf/nan, and update() then halves the scale (or doubles it after enough clean steps).
+    bf16/fp32: the scaler is disabled and these lines pass straight through; a non-finite gradient
+    there is never 'expected', so we skip the step (weights untouched) and report it."""
     scaler.unscale_(opt)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item()
     scale_before = scaler.get_scale()
@@ -103,6 +241,18 @@ def optimizer_step(model, opt, scaler, loss, max_grad_norm):
     scaler.update()
     skipped = scaler.get_scale() < scale_before if scaler.is_enabled() else not math.isfinite(grad_norm)
     return grad_norm, skipped
+
+
+def learning_rate(args, step):
+    """Linear warm-up: Adam's first updates move every weight by ~lr whatever the gradient's size (its
+    variance estimate starts from one noisy sample), enough to knock a tuned model over. Then, with
+    --lr-schedule cosine, a decay to a tenth of --lr: RL gradients stay noisy, and a smaller late step
+    lets the policy settle instead of jittering around the optimum."""
+    warm = min(1.0, (step + 1) / args.warmup_steps)
+    if args.lr_schedule == "constant":
+        return args.lr * warm
+    progress = max(0.0, step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    return args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -125,9 +275,19 @@ def pack(prompts, responses, device, logprobs=None):
 
 
 def problems_for_step(args, step, n):
-    """The prompts of one step depend on (seed, step) alone: repeatable runs, exact resume."""
-    gen = args.train_problems(f"{args.seed}-{step}")
+    """The prompts of one step depend on (seed, step) alone: repeatable runs, exact resume. RL steps
+    draw from the --rl-seed stream, so RL seeds vary the prompts without changing the warm start."""
+    gen = args.train_problems(f"{args.seed if str(step).startswith('sft') else args.rl_seed}-{step}")
     return [next(gen) for _ in range(n)]
+
+
+def seed_engine_sampling(seed, step, stream=0):
+    """The in-process vLLM engine samples from torch's global generator (a per-request seed crashes its
+    CPU sampler once requests are batched), so we seed that generator before every generate: sampling
+    is then a function of (weights, seed, step), which makes runs repeatable and resume exact. Stream 0
+    is the training rollouts, 1 the held-out evaluation: distinct (seed, stream, step) never collide
+    while step < 999,983."""
+    torch.manual_seed(seed * 1_000_003 + stream * 999_983 + step)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -169,22 +329,207 @@ def warm_start(args, cfg, device):
     return ckpt, losses
 
 
+def model_config(args):
+    return GPTConfig(vocab_size=task.VOCAB_SIZE, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                     n_hidden=args.n_hidden, max_seq_len=args.max_seq_len, bos_id=task.BOS_ID, eos_id=task.EOS_ID)
+
+
 # ---------------------------------------------------------------------------------------------------
-# Evaluation: sampled accuracy at temperature 1 on held-out problems, with the engine
+# The loop's steps 1, 2 and 5, and the evaluation
+
+def rollout(llm, args, step, device):
+    """Step 1: the engine samples G responses per prompt, with its own log-probs (mu); the rewards
+    and the group advantages."""
+    t0 = time.perf_counter()
+    probs = problems_for_step(args, step, args.batch_size)
+    seed_engine_sampling(args.rl_seed, step)
+    samples = generate(llm, [task.prompt_ids(p) for p, _ in probs], args.group_size, args.max_new_tokens, task.EOS_ID)
+    rewards = torch.tensor([task.reward(s.response_ids, a) for s, (_, a) in
+                            zip(samples, (pa for pa in probs for _ in range(args.group_size)))])
+    idx, mask, mu_logp = pack([s.prompt_ids for s in samples], [s.response_ids for s in samples], device,
+                              [s.logprobs for s in samples])
+    n_tokens = int(mask.sum())
+    return {"idx": idx, "mask": mask, "mu_logp": mu_logp, "rewards": rewards,
+            "adv": group_advantages(rewards, args.group_size, scale_by_std=not args.no_std).to(device),
+            "log": {"reward_mean": rewards.mean().item(), "response_len_mean": n_tokens / len(samples),
+                    "truncated_frac": sum(not s.finished for s in samples) / len(samples),
+                    "time_rollout_s": time.perf_counter() - t0,
+                    "rollout_tokens_per_s": n_tokens / (time.perf_counter() - t0)}}
+
+
+def score(model, ref_model, prec, batch, args):
+    """Step 2: the trainer's log-probs of the sampled tokens in the run's dtype, before the update
+    (pi_old), and the reference model's for the KL term. With --behavior-logp engine there is no
+    re-scoring forward: mu serves as pi_old, and the first update's forward gives pi for the metrics."""
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        if args.behavior_logp == "trainer":
+            batch["pi_logp"] = token_logprobs(prec.forward(model), batch["idx"])
+        if ref_model is not None:
+            batch["ref_logp"] = token_logprobs(prec.forward(ref_model), batch["idx"])
+    batch["log"]["time_logprob_s"] = time.perf_counter() - t0
+
 
 def evaluate(llm, args, step):
-    torch.manual_seed(args.seed * 1_000_003 + 999_983 + step)  # the engine samples from this generator
+    """Sampled accuracy at temperature 1 on the held-out problems, one sample each, with the engine."""
+    seed_engine_sampling(args.rl_seed, step, stream=1)
     probs = args.eval_problems
     samples = generate(llm, [task.prompt_ids(p) for p, _ in probs], 1, args.max_new_tokens, task.EOS_ID)
     return sum(task.reward(s.response_ids, a) for s, (_, a) in zip(samples, probs)) / len(probs)
 
 
-# ---------------------------------------------------------------------------------------------------
-# The RL loop
+def log_step(step, batch, stats, t_sync, t0):
+    """Step 5's row: rollout and score figures, the mismatch of mu against pi, the update's stats."""
+    mask, mu, pi = batch["mask"], batch["mu_logp"], batch.get("pi_logp", stats.pop("pi_logp", None))
+    rec = {"step": step, **batch["log"], **mismatch_metrics(mu, pi, mask), **stats, "time_sync_s": t_sync}
+    rec["time_train_s"] = time.perf_counter() - t0 - rec["time_rollout_s"] - rec.get("time_logprob_s", 0.0) - t_sync
+    return rec
 
-def model_config(args):
-    return GPTConfig(vocab_size=task.VOCAB_SIZE, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                     n_hidden=args.n_hidden, max_seq_len=args.max_seq_len, bos_id=task.BOS_ID, eos_id=task.EOS_ID)
+
+# ---------------------------------------------------------------------------------------------------
+# The run
+
+def train(args, llm=None):
+    """The whole run. `llm`: an already running engine of the run's dtype to reuse (the tests share one
+    per session); the starting weights are synced into it, which is the same as starting it on them."""
+    require_vllm()
+    prec = get_precision(args.dtype)
+    with run_folder(args.out) as stop:  # a lock on --out; Ctrl-C / SIGTERM only set `stop`
+        ckpt = args.init or warm_start(args, model_config(args), prec.device)[0]
+        model = load_hf(ckpt, prec.device)
+        ref_model = load_hf(ckpt, prec.device).eval() if args.kl_coef else None
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        scaler = prec.grad_scaler()
+        run = Run(args, prec, model, opt, scaler)
+        llm = llm or start_engine(ckpt, prec.vllm_dtype, args.seed, args.max_seq_len, args.gpu_memory_utilization)
+        sync_weights(llm, hf_named_tensors(model), prec.dtype)  # the weights the trainer starts from
+        if run.acc0 is None:
+            run.acc0 = evaluate(llm, args, -1)
+        print(f"dtype {prec.name} | engine {prec.vllm_dtype} | {machine_line(machine())} | "
+              f"held-out accuracy before RL {run.acc0:.3f}")
+
+        for step in range(run.start_step, args.steps):
+            t0 = time.perf_counter()
+            for g in opt.param_groups:
+                g["lr"] = learning_rate(args, step)
+            batch = rollout(llm, args, step, prec.device)                       # 1. sample (mu)
+            score(model, ref_model, prec, batch, args)                          # 2. pi_old
+            run.check_finite(step, batch)
+            stats = grpo_step(model, opt, scaler, prec, batch, args)            # 3. update
+            if "nonfinite" in stats:
+                run.halt(step, stats["nonfinite"])
+            t_sync = sync_weights(llm, hf_named_tensors(model), prec.dtype)     # 4. sync
+            rec = log_step(step, batch, stats, t_sync, t0)                      # 5. log
+            if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
+                rec["eval_accuracy"] = evaluate(llm, args, step)
+            rec["time_step_s"] = time.perf_counter() - t0
+            run.record(step, rec, stop)
+            if stop:
+                print(f"{stop['signal']}: stopped after step {step}; checkpoint and metrics are in {args.out}; "
+                      f"continue with --resume")
+                return None
+        return run.finish(ckpt)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hardening, out of the reader's way: one run per folder, signals, checkpoints and resume, atomic
+# files, strict JSON, numerical stops, and refusing bad input before anything starts.
+
+@contextmanager
+def run_folder(out):
+    """Hold a lock on --out for the run (the kernel drops it if the process dies: two runs never
+    interleave metrics), and turn SIGINT/SIGTERM into a flag the loop checks at each step boundary."""
+    os.makedirs(out, exist_ok=True)
+    lock = open(os.path.join(out, ".lock"), "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fail(f"--out {out} is in use by another run")
+    stop = {}
+    handlers = {sig: signal.signal(sig, lambda num, _: stop.setdefault("signal", signal.Signals(num).name))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+        lock.close()
+
+
+class Run:
+    """A run's files in --out: metrics.jsonl (a row per step), checkpoint.pt (what --resume needs),
+    args.json, and at the end hf/ and summary.json. Every file is written under a temporary name and
+    renamed, so a kill never leaves half a file."""
+
+    def __init__(self, args, prec, model, opt, scaler):
+        self.args, self.prec, self.model, self.opt, self.scaler = args, prec, model, opt, scaler
+        self.ckpt_path, self.metrics_path = os.path.join(args.out, "checkpoint.pt"), os.path.join(args.out, "metrics.jsonl")
+        self.start_step, self.acc0, self.skips = 0, None, 0
+        if args.resume:
+            st = torch.load(self.ckpt_path, weights_only=False)
+            for obj, key in ((model, "model"), (opt, "opt"), (scaler, "scaler")):
+                obj.load_state_dict(st[key])
+            torch.set_rng_state(st["torch_rng"])
+            self.start_step, self.acc0 = st["step"], st["acc0"]
+            print(f"resuming {args.out} at step {self.start_step}")
+        # Keep the metrics of the steps before the checkpoint, drop any after it: no step is ever duplicated.
+        self.history = read_metrics(self.metrics_path)[:self.start_step] if args.resume else []
+        write_atomic(self.metrics_path, "".join(json_line(r) for r in self.history))
+        settings = {k: v for k, v in vars(args).items() if k not in ("train_problems", "eval_problems")}
+        write_atomic(os.path.join(args.out, "args.json"),
+                     json.dumps({**settings, "dtype": prec.name, "machine": machine()}, indent=2))
+
+    def save(self, step):
+        """Everything a resumed run needs: weights, optimizer and scaler states, the RNG, the next step.
+        The data and the engine's sampling of step s depend only on (seed, s), so this is enough for a
+        resumed run to redo exactly the steps an uninterrupted run would have done."""
+        torch.save({"step": step, "model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                    "scaler": self.scaler.state_dict(), "torch_rng": torch.get_rng_state(), "acc0": self.acc0},
+                   self.ckpt_path + ".tmp")
+        os.replace(self.ckpt_path + ".tmp", self.ckpt_path)
+
+    def halt(self, step, message):
+        """Stop after the last good state is on disk: weights before this step, metrics so far."""
+        self.save(step)
+        raise SystemExit(f"error: step {step}: {message}; metrics and the checkpoint before this step are in "
+                         f"{self.args.out} (resume with --resume)")
+
+    def check_finite(self, step, batch):
+        mask = batch["mask"].bool()
+        for name, key in (("engine log-prob", "mu_logp"), ("trainer log-prob", "pi_logp")):
+            if key in batch and not torch.isfinite(batch[key][mask]).all():
+                self.halt(step, f"non-finite {name}")
+
+    def record(self, step, rec, stop):
+        """Append the step's row, print it, stop on too many skipped steps, checkpoint when due."""
+        self.history.append(rec)
+        with open(self.metrics_path, "a") as f:
+            f.write(json_line(rec))
+        print(f"step {step:4d} | reward {rec['reward_mean']:.3f} | k3 {rec['mismatch_k3']:.2e} "
+              f"| max|dp| {rec['mismatch_prob_abs_max']:.2e} | gnorm {rec['grad_norm']:.3f} "
+              f"| scale {rec['loss_scale']:.0f}{' SKIP' if rec['step_skipped'] else ''} | {rec['time_step_s']:.2f}s "
+              f"(sync {rec['time_sync_s'] * 1000:.0f}ms, {rec['rollout_tokens_per_s']:.0f} tok/s)"
+              + (f" | eval {rec['eval_accuracy']:.3f}" if "eval_accuracy" in rec else ""), flush=True)
+        self.skips = self.skips + 1 if rec["step_skipped"] else 0
+        if rec["step_skipped"] and not self.scaler.is_enabled():
+            self.halt(step + 1, "non-finite gradient (the step was skipped; only fp16 expects that)")
+        if self.skips > self.args.max_skips:
+            self.halt(step + 1, f"{self.skips} consecutive fp16 steps skipped for inf/nan gradients "
+                                f"(--max-skips {self.args.max_skips})")
+        if (step + 1) % self.args.ckpt_every == 0 or step + 1 == self.args.steps or stop:
+            self.save(step + 1)
+
+    def finish(self, ckpt):
+        save_hf(self.model, os.path.join(self.args.out, "hf"))
+        h, last = self.history, self.history[-10:]
+        summary = {"dtype": self.prec.name, "steps": self.args.steps, "eval_accuracy_before": self.acc0,
+                   "eval_accuracy_after": h[-1].get("eval_accuracy"),
+                   "reward_mean_last10": sum(r["reward_mean"] for r in last) / len(last),
+                   "mismatch_k3_mean": sum(r["mismatch_k3"] for r in h) / len(h),
+                   "steps_skipped": sum(bool(r["step_skipped"]) for r in h), "machine": machine_line(machine())}
+        write_atomic(os.path.join(self.args.out, "summary.json"), json.dumps(summary, indent=2))
+        print("summary: " + " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
+        return summary
 
 
 def write_atomic(path, text):
@@ -213,232 +558,9 @@ def read_metrics(path):
     return rows
 
 
-def save_checkpoint(path, step, model, opt, scaler, acc0):
-    """Everything a resumed run needs: weights, optimizer and scaler states, the RNG, the next step.
-    The data and the engine's sampling of step s depend only on (seed, s), so this is enough for a
-    resumed run to redo exactly the steps an uninterrupted run would have done."""
-    torch.save({"step": step, "model": model.state_dict(), "opt": opt.state_dict(), "scaler": scaler.state_dict(),
-                "torch_rng": torch.get_rng_state(), "acc0": acc0}, path + ".tmp")
-    os.replace(path + ".tmp", path)
-
-
-def learning_rate(args, step):
-    """Linear warm-up: Adam's first updates move every weight by ~lr whatever the gradient's size (its
-    variance estimate starts from one noisy sample), enough to knock a tuned model over. Then, with
-    --lr-schedule cosine, a decay to a tenth of --lr: RL gradients stay noisy, and a smaller late step
-    lets the policy settle instead of jittering around the optimum."""
-    warm = min(1.0, (step + 1) / args.warmup_steps)
-    if args.lr_schedule == "constant":
-        return args.lr * warm
-    progress = max(0.0, step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
-    return args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def train(args, llm=None):
-    """The whole run. `llm`: an already running engine of the run's dtype to reuse (the tests share one
-    per session); the starting weights are synced into it, which is the same as starting it on them."""
-    # One run per output folder: a second one would interleave metrics and overwrite checkpoints. The
-    # kernel also drops the lock if this process dies.
-    os.makedirs(args.out, exist_ok=True)
-    lock = open(os.path.join(args.out, ".lock"), "w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fail(f"--out {args.out} is in use by another run")
-    # Ctrl-C / SIGTERM only raise a flag: the run stops at the next step boundary with a checkpoint.
-    stop = {}
-    handlers = {sig: signal.signal(sig, lambda num, _: stop.setdefault("signal", signal.Signals(num).name))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return _train(args, llm, stop)
-    finally:
-        for sig, h in handlers.items():
-            signal.signal(sig, h)
-        lock.close()
-
-
-def _train(args, llm, stop):
-    require_vllm()
-    prec = get_precision(args.dtype)
-    device = prec.device
-    t_start = time.time()
-
-    ckpt = args.init or warm_start(args, model_config(args), device)[0]
-    model = load_hf(ckpt, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    scaler = prec.grad_scaler()
-    state_path, metrics_path = os.path.join(args.out, "checkpoint.pt"), os.path.join(args.out, "metrics.jsonl")
-    start_step, acc0 = 0, None
-    if args.resume:
-        st = torch.load(state_path, weights_only=False)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        scaler.load_state_dict(st["scaler"])
-        torch.set_rng_state(st["torch_rng"])
-        start_step, acc0 = st["step"], st["acc0"]
-        print(f"resuming {args.out} at step {start_step}")
-    # Keep the metrics of the steps before the checkpoint, drop any after it: no step is ever duplicated.
-    history = read_metrics(metrics_path)[:start_step] if args.resume else []
-    write_atomic(metrics_path, "".join(json_line(r) for r in history))
-    # The run's settings beside its metrics, for plot.py and for whoever reads the folder later.
-    settings = {k: v for k, v in vars(args).items() if k not in ("train_problems", "eval_problems")}
-    write_atomic(os.path.join(args.out, "args.json"), json.dumps({**settings, "dtype": prec.name,
-                                                                    "machine": machine()}, indent=2))
-
-    # The engine must serve the weights the trainer starts from: a resumed checkpoint's, or ours in a
-    # caller's engine. For a fresh engine this reloads what it already holds (30 ms, same log-probs).
-    llm = llm or start_engine(ckpt, prec.vllm_dtype, args.seed, args.max_seq_len, args.gpu_memory_utilization)
-    sync_weights(llm, hf_named_tensors(model), prec.dtype)
-    ref_model = load_hf(ckpt, device).eval() if args.kl_coef else None
-    G = args.group_size
-
-    if acc0 is None:
-        acc0 = evaluate(llm, args, -1)
-    print(f"dtype {prec.name} | engine {prec.vllm_dtype} | device {device} | held-out accuracy before RL {acc0:.3f}")
-
-    def halt(step, message):
-        """Stop after the last good state is on disk: weights before this step, metrics so far."""
-        save_checkpoint(state_path, step, model, opt, scaler, acc0)
-        raise SystemExit(f"error: step {step}: {message}; metrics and the checkpoint before this step are in "
-                         f"{args.out} (resume with --resume)")
-
-    consecutive_skips = 0
-    with open(metrics_path, "a") as mf:
-        for step in range(start_step, args.steps):
-            for g in opt.param_groups:
-                g["lr"] = learning_rate(args, step)
-
-            # 1. rollout: the engine samples G responses per prompt, with its own log-probs (mu)
-            t0 = time.perf_counter()
-            probs = problems_for_step(args, step, args.batch_size)
-            torch.manual_seed(args.seed * 1_000_003 + step)  # the in-process engine samples from this generator
-            samples = generate(llm, [task.prompt_ids(p) for p, _ in probs], G, args.max_new_tokens, task.EOS_ID)
-            answers = [a for _, a in probs for _ in range(G)]
-            rewards = torch.tensor([task.reward(s.response_ids, a) for s, a in zip(samples, answers)])
-            t1 = time.perf_counter()
-
-            # 2. the trainer scores the same tokens in the run's dtype (pi, before the update)
-            idx, mask, mu_logp = pack([s.prompt_ids for s in samples], [s.response_ids for s in samples], device,
-                                      [s.logprobs for s in samples])
-            with torch.no_grad():
-                old_logp = token_logprobs(prec.forward(model), idx)
-                ref_logp = token_logprobs(prec.forward(ref_model), idx) if ref_model is not None else None
-            for name, t in (("engine log-prob", mu_logp), ("trainer log-prob", old_logp)):
-                if not torch.isfinite(t[mask.bool()]).all():
-                    halt(step, f"non-finite {name}")
-            mm = mismatch_metrics(mu_logp, old_logp, mask)
-            t2 = time.perf_counter()
-
-            # 3. one GRPO step (or --updates-per-batch) through the GradScaler
-            adv = group_advantages(rewards, G, scale_by_std=not args.no_std).to(device)
-            # A sequence with A = 0 (every group whose samples all agree) adds exactly 0 to the loss and
-            # its gradient: leave it out of the forward and backward, but keep all response tokens in
-            # the token-mean's denominator. Same gradient, less work (half of it near 90 % reward).
-            keep = adv != 0
-            if args.kl_coef or not keep.any():  # the KL term counts every token; a batch of A = 0 still steps
-                keep = torch.ones_like(keep)
-            for _ in range(args.updates_per_batch):
-                logp = token_logprobs(prec.forward(model), idx[keep])
-                loss = grpo_loss(logp, old_logp[keep], mu_logp[keep], adv[keep], mask[keep], args.clip_eps,
-                                 args.correction, args.is_cap, ref_logp[keep] if args.kl_coef else None,
-                                 args.kl_coef, n_tokens=mask.sum())
-                if not torch.isfinite(loss):
-                    halt(step, f"non-finite loss ({loss.item()})")
-                grad_norm, skipped = optimizer_step(model, opt, scaler, loss, args.max_grad_norm)
-            t3 = time.perf_counter()
-
-            # 4. push the new weights into the engine, in place
-            t_sync = sync_weights(llm, hf_named_tensors(model), prec.dtype)
-
-            n_tokens = sum(len(s.response_ids) for s in samples)
-            rec = {"step": step, "reward_mean": rewards.mean().item(), "loss": loss.item(),
-                   "response_len_mean": n_tokens / len(samples),
-                   "truncated_frac": sum(not s.finished for s in samples) / len(samples),
-                   **mm, "grad_norm": grad_norm, "loss_scale": scaler.get_scale(), "step_skipped": bool(skipped),
-                   "time_rollout_s": t1 - t0, "time_logprob_s": t2 - t1, "time_train_s": t3 - t2,
-                   "time_sync_s": t_sync, "rollout_tokens_per_s": n_tokens / (t1 - t0)}
-            if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
-                rec["eval_accuracy"] = evaluate(llm, args, step)
-            rec["time_step_s"] = time.perf_counter() - t0
-            history.append(rec)
-            mf.write(json_line(rec))
-            mf.flush()
-            print(f"step {step:4d} | reward {rec['reward_mean']:.3f} | k3 {rec['mismatch_k3']:.2e} "
-                  f"| max|dp| {rec['mismatch_prob_abs_max']:.2e} | gnorm {grad_norm:.3f} "
-                  f"| scale {rec['loss_scale']:.0f}{' SKIP' if skipped else ''} | {rec['time_step_s']:.2f}s "
-                  f"(sync {t_sync * 1000:.0f}ms, {rec['rollout_tokens_per_s']:.0f} tok/s)"
-                  + (f" | eval {rec['eval_accuracy']:.3f}" if "eval_accuracy" in rec else ""), flush=True)
-
-            consecutive_skips = consecutive_skips + 1 if skipped else 0
-            if skipped and not scaler.is_enabled():
-                halt(step + 1, "non-finite gradient (the step was skipped; only fp16 expects that)")
-            if consecutive_skips > args.max_skips:
-                halt(step + 1, f"{consecutive_skips} consecutive fp16 steps skipped for inf/nan gradients "
-                               f"(--max-skips {args.max_skips})")
-            if (step + 1) % args.ckpt_every == 0 or step + 1 == args.steps or stop:
-                save_checkpoint(state_path, step + 1, model, opt, scaler, acc0)
-            if stop:
-                print(f"{stop['signal']}: stopped after step {step}; checkpoint and metrics are in {args.out}; "
-                      f"continue with --resume")
-                return None
-
-    save_hf(model, os.path.join(args.out, "hf"))
-    last = history[-10:]
-    summary = {"dtype": prec.name, "steps": args.steps, "eval_accuracy_before": acc0,
-               "eval_accuracy_after": history[-1].get("eval_accuracy"),
-               "reward_mean_last10": sum(r["reward_mean"] for r in last) / len(last),
-               "mismatch_k3_mean": sum(r["mismatch_k3"] for r in history) / len(history),
-               "steps_skipped": sum(r["step_skipped"] for r in history),
-               "wall_s": time.time() - t_start, "machine": machine_line(machine())}
-    write_atomic(os.path.join(args.out, "summary.json"), json.dumps(summary, indent=2))
-    print("summary: " + " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
-    return summary
-
-
-def make_parser(description):
-    """The flags of a run; probe.py adds its own to the same parser (same task, model, warm start)."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--dtype", default="fp16", help="fp16 | bf16 | fp32: the trainer's and the engine's dtype")
-    p.add_argument("--out", default=None, help="output folder (default runs/<dtype>)")
-    p.add_argument("--warmstart-dir", default="runs/warmstart", help="cache of warm-start checkpoints")
-    p.add_argument("--seed", type=int, default=0)
-    # the task
-    p.add_argument("--n-items", type=int, default=12, help="digits to sort: the response is 2*n tokens")
-    p.add_argument("--n-eval", type=int, default=256, help="held-out problems")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default: 2*n-items + 8")
-    # the model
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--n-hidden", type=int, default=384)
-    p.add_argument("--max-seq-len", type=int, default=128)
-    # warm start
-    p.add_argument("--sft-steps", type=int, default=600)
-    p.add_argument("--sft-lr", type=float, default=3e-3)
-    p.add_argument("--sft-batch", type=int, default=64)
-    p.add_argument("--sft-noise", type=float, default=0.005, help="chance each digit of a training solution is wrong")
-    # GRPO
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--batch-size", type=int, default=64, help="prompts per step")
-    p.add_argument("--group-size", type=int, default=8, help="samples per prompt (G >= 2)")
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--warmup-steps", type=int, default=5, help="linear learning-rate warm-up")
-    p.add_argument("--lr-schedule", default="cosine", choices=["cosine", "constant"], help="after the warm-up")
-    p.add_argument("--clip-eps", type=float, default=0.2)
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--updates-per-batch", type=int, default=1, help="optimizer steps per rollout batch")
-    p.add_argument("--no-std", action="store_true", help="Dr. GRPO: do not divide advantages by the group std")
-    p.add_argument("--correction", default="none", choices=["none", "tis", "mis"])
-    p.add_argument("--is-cap", type=float, default=2.0, help="cap C of tis / mis")
-    p.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to the warm start (0 = off)")
-    p.add_argument("--eval-every", type=int, default=10)
-    p.add_argument("--ckpt-every", type=int, default=10, help="steps between resumable checkpoints")
-    p.add_argument("--max-skips", type=int, default=10, help="stop after more consecutive fp16 steps skipped")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    p.add_argument("--init", default=None, help="start RL from this checkpoint folder instead of the warm start")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="engine's share of GPU memory (GPU only)")
-    p.error = lambda message: fail(message)  # one line, exit 2 (argparse would add a usage block)
-    return p
+def fail(message):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def get_args(argv=None):
@@ -449,32 +571,19 @@ def finish_args(args, training, json_out=None):
     """Fill in the derived settings, refuse bad input, then make the problem generators."""
     args.max_new_tokens = args.max_new_tokens or 2 * args.n_items + 8
     args.out = args.out or os.path.join("runs", str(args.dtype))
+    args.rl_seed = args.seed if args.rl_seed is None else args.rl_seed
     check_args(args, training, json_out)
     args.train_problems, args.eval_problems = task.make_splits(args.seed, args.n_items, args.n_eval)
     return args
 
 
-def fail(message):
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 def check_args(args, training, json_out):
-    """Refuse bad input before any model is built, engine started or file written."""
-    for flag in ("n_items", "n_eval", "max_new_tokens", "n_layer", "n_head", "n_embd", "n_hidden", "max_seq_len",
-                 "sft_steps", "sft_batch", "steps", "batch_size", "warmup_steps", "updates_per_batch", "eval_every",
-                 "ckpt_every", "lr", "sft_lr", "max_grad_norm", "clip_eps", "is_cap"):
-        if not getattr(args, flag) > 0:
-            fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    """What argparse cannot express, refused before any model is built, engine started or file written."""
     try:
         get_precision(args.dtype)
         model_config(args)
     except ValueError as e:
         fail(str(e).replace("n_embd/n_head", "--n-embd/--n-head"))
-    if args.group_size < 2:
-        fail(f"--group-size must be at least 2 (GRPO compares samples within a group), got {args.group_size}")
-    if not 0 <= args.sft_noise < 1 or args.kl_coef < 0 or args.max_skips < 0 or not 0 < args.gpu_memory_utilization <= 1:
-        fail("--sft-noise must be in [0, 1), --kl-coef and --max-skips >= 0, --gpu-memory-utilization in (0, 1]")
     longest = len(task.prompt_ids(task.make_problem(random.Random(0), args.n_items)[0])) + args.max_new_tokens
     if longest > args.max_seq_len:
         fail(f"--max-seq-len {args.max_seq_len} is too short for a prompt plus --max-new-tokens ({longest} tokens)")
@@ -485,13 +594,12 @@ def check_args(args, training, json_out):
             fail(f"--init: {e}")
     if training:
         folders = [args.out, args.warmstart_dir]
+        if args.resume and not os.path.isfile(os.path.join(args.out, "checkpoint.pt")):
+            fail(f"--resume: {args.out} has no checkpoint.pt to resume from")
+        if os.path.isfile(os.path.join(args.out, "metrics.jsonl")) and not args.resume:
+            fail(f"--out {args.out} already holds a run: pass --resume to continue it, or choose another --out")
     else:  # probe.py writes nothing but the warm-start cache and its --json
         folders = [args.warmstart_dir] + ([os.path.dirname(os.path.abspath(json_out))] if json_out else [])
-    has_run = training and os.path.isfile(os.path.join(args.out, "metrics.jsonl"))
-    if args.resume and not os.path.isfile(os.path.join(args.out, "checkpoint.pt")):
-        fail(f"--resume: {args.out} has no checkpoint.pt to resume from")
-    if has_run and not args.resume:
-        fail(f"--out {args.out} already holds a run: pass --resume to continue it, or choose another --out")
     for folder in folders:
         try:
             os.makedirs(folder, exist_ok=True)

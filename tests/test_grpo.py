@@ -11,7 +11,11 @@ import probe
 import train_grpo
 from conftest import tiny_args
 from precision import INIT_SCALE, get_precision, mismatch_metrics
-from train_grpo import group_advantages, grpo_loss, optimizer_step
+from train_grpo import group_advantages, grpo_loss, unscale_clip_step
+
+def loss_of(*args, **kwargs):
+    return grpo_loss(*args, **kwargs)[0]
+
 
 # Two sequences of three response tokens; the second one's last token is padding.
 MASK = torch.tensor([[1., 1., 1.], [1., 1., 0.]])
@@ -29,7 +33,7 @@ def test_ppo_clipping_both_sides_masking_and_token_mean():
     old = torch.log(torch.tensor([[0.2, 0.4, 0.5], [0.2, 0.4, 0.5]]))
     ratio = torch.tensor([[1.5, 0.5, 1.0], [1.5, 0.5, 1.0]])
     logp = (old + ratio.log()).requires_grad_()
-    loss = grpo_loss(logp, old, old, ADV, MASK, clip_eps=0.2)
+    loss = loss_of(logp, old, old, ADV, MASK, clip_eps=0.2)
     # A=+1: -min(r, clip r) = -1.2, -0.5, -1.0 ; A=-1: -min(-r, -clip r) = 1.5, 0.8, (masked)
     assert loss.item() == pytest.approx((-1.2 - 0.5 - 1.0 + 1.5 + 0.8) / 5, abs=1e-6)
     loss.backward()
@@ -41,7 +45,7 @@ def test_ppo_clipping_both_sides_masking_and_token_mean():
 def test_zero_advantage_gives_zero_gradient():
     old = torch.log(torch.full((2, 3), 0.3))
     logp = old.clone().requires_grad_()
-    grpo_loss(logp, old, old, torch.zeros(2), MASK).backward()
+    loss_of(logp, old, old, torch.zeros(2), MASK).backward()
     assert torch.count_nonzero(logp.grad) == 0
 
 
@@ -51,19 +55,19 @@ def test_leaving_out_zero_advantage_sequences_keeps_the_loss_and_gradient():
     old = torch.randn(3, 3)
     mask, adv = torch.tensor([[1., 1., 1.], [1., 1., 0.], [1., 0., 0.]]), torch.tensor([1.0, 0.0, -2.0])
     full = old.clone().requires_grad_()
-    grpo_loss(full, old, old, adv, mask).backward()
+    loss_of(full, old, old, adv, mask).backward()
     keep = adv != 0
     part = old[keep].clone().requires_grad_()
-    loss = grpo_loss(part, old[keep], old[keep], adv[keep], mask[keep], n_tokens=mask.sum())
+    loss = loss_of(part, old[keep], old[keep], adv[keep], mask[keep], n_tokens=mask.sum())
     loss.backward()
-    assert loss.item() == pytest.approx(grpo_loss(old, old, old, adv, mask).item(), abs=1e-7)
+    assert loss.item() == pytest.approx(loss_of(old, old, old, adv, mask).item(), abs=1e-7)
     assert torch.allclose(part.grad, full.grad[keep]) and torch.count_nonzero(full.grad[~keep]) == 0
 
 
 def test_tis_weights_tokens_by_truncated_ratio_to_the_engine():
     old = torch.log(torch.full((2, 3), 0.3))
     mu = old - torch.log(torch.tensor([[3.0, 0.5, 1.0], [1.0, 4.0, 1.0]]))  # pi_old / mu
-    loss = grpo_loss(old.clone(), old, mu, ADV, MASK, correction="tis", cap=2.0)
+    loss = loss_of(old.clone(), old, mu, ADV, MASK, algorithm="token-tis", cap=2.0)
     # ratio 1; weights min(w, 2): [2, .5, 1] and [1, 2, (masked)]
     assert loss.item() == pytest.approx((-(2 + 0.5 + 1) + (1 + 2)) / 5, abs=1e-6)
 
@@ -71,18 +75,70 @@ def test_tis_weights_tokens_by_truncated_ratio_to_the_engine():
 def test_mis_drops_sequences_whose_weight_exceeds_the_cap():
     old = torch.log(torch.full((2, 3), 0.3))
     w = torch.tensor([[3.0, 0.5, 1.0], [3.0, 1.0, 100.0]])  # seq weights 1.5 (kept), 3.0 (dropped; 100 is padding)
-    loss = grpo_loss(old.clone(), old, old - w.log(), ADV, MASK, correction="mis", cap=2.0)
+    loss = loss_of(old.clone(), old, old - w.log(), ADV, MASK, algorithm="seq-mis", cap=2.0)
     assert loss.item() == pytest.approx(-1.5 * 3 / 5, abs=1e-6)
-    assert grpo_loss(old.clone(), old, old - w.log(), ADV, MASK, correction="none").item() == pytest.approx((-3 + 2) / 5)
+    assert loss_of(old.clone(), old, old - w.log(), ADV, MASK, algorithm="grpo").item() == pytest.approx((-3 + 2) / 5)
+
+
+def test_pg_seq_is_weights_each_sequence_by_its_truncated_importance_ratio():
+    """Plain policy gradient: loss = -sum_i w_i A_i sum_t log pi / n_tokens, w_i = min(prod_t pi/mu, C)."""
+    logp = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.4, 0.4, 0.9]])).requires_grad_()
+    w_tok = torch.tensor([[1.5, 1.0, 1.0], [2.0, 2.0, 7.0]])  # pi / mu per token; the last one is padding
+    mu = logp.detach() - w_tok.log()
+    loss, stats = grpo_loss(logp, logp.detach(), mu, ADV, MASK, algorithm="pg-seq-is")  # C = inf
+    w = torch.tensor([1.5, 4.0])  # products over response tokens only
+    assert loss.item() == pytest.approx(-(1.5 * 3 * math.log(0.5) - 4.0 * 2 * math.log(0.4)) / 5, abs=1e-6)
+    loss.backward()
+    assert torch.allclose(logp.grad, -(w * ADV)[:, None] * MASK / 5, atol=1e-6)  # the weight carries no gradient
+    assert stats["is_weight_max"] == pytest.approx(4.0) and stats["is_capped_frac"] == 0
+    truncated, stats = grpo_loss(logp, logp.detach(), mu, ADV, MASK, algorithm="pg-seq-is", cap=2.0)
+    assert truncated.item() == pytest.approx(-(1.5 * 3 * math.log(0.5) - 2.0 * 2 * math.log(0.4)) / 5, abs=1e-6)
+    assert stats["is_capped_frac"] == 0.5
+
+
+def test_pg_seq_mis_drops_sequences_above_the_cap_instead():
+    logp = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.4, 0.4, 0.9]]))
+    mu = logp - torch.tensor([[1.5, 1.0, 1.0], [2.0, 2.0, 7.0]]).log()
+    loss, stats = grpo_loss(logp, logp, mu, ADV, MASK, algorithm="pg-seq-mis")  # C = 3: 1.5 kept, 4.0 dropped
+    assert loss.item() == pytest.approx(-1.5 * 3 * math.log(0.5) / 5, abs=1e-6) and stats["is_capped_frac"] == 0.5
+
+
+def test_gspo_clips_one_length_normalised_ratio_per_sequence():
+    old = torch.log(torch.full((2, 3), 0.3))
+    # sequence 1 (A = +1): mean log-ratio 6e-4 > log(1 + 4e-4): clipped, no gradient;
+    # sequence 2 (A = -1): mean log-ratio -1e-4, inside [1 - 3e-4, 1 + 4e-4]: not clipped.
+    logp = (old + torch.tensor([[6e-4, 6e-4, 6e-4], [-1e-4, -1e-4, 5.0]])).requires_grad_()
+    loss, stats = grpo_loss(logp, old, old, ADV, MASK, algorithm="gspo")
+    s2 = math.exp(-1e-4)
+    assert loss.item() == pytest.approx((-(1 + 4e-4) * 3 + s2 * 2) / 5, abs=1e-7)
+    loss.backward()
+    # d/dlogp of s2 * 2 tokens / 5, with s2 = exp(mean of 2 log-ratios): s2 * 2 / 5 * (1/2) per token
+    assert torch.allclose(logp.grad, torch.tensor([[0., 0., 0.], [s2 / 5, s2 / 5, 0.]]), atol=1e-7)
+    assert stats["clip_frac_pos"] == 1.0 and stats["clip_frac_neg"] == 0.0 and stats["clip_seq_frac"] == 0.5
+
+
+def test_clip_fractions_are_split_by_the_sign_of_the_advantage():
+    old = torch.log(torch.tensor([[0.2, 0.4, 0.5], [0.2, 0.4, 0.5]]))
+    ratio = torch.tensor([[1.5, 0.5, 1.0], [1.5, 0.5, 1.0]])
+    _, stats = grpo_loss(old + ratio.log(), old, old, ADV, MASK, clip_eps=0.2)
+    # A = +1: 1.5 is clipped (1 of 3 tokens); A = -1: 0.5 is clipped (1 of 2 tokens)
+    assert stats["clip_frac_pos"] == pytest.approx(1 / 3) and stats["clip_frac_neg"] == pytest.approx(1 / 2)
+    assert stats["clip_seq_frac"] == 1.0 and stats["ratio_dev_max"] == pytest.approx(0.5)
 
 
 def test_k3_kl_penalty_is_zero_at_the_reference_and_positive_away():
     old = torch.log(torch.full((2, 3), 0.3))
-    assert grpo_loss(old.clone(), old, old, torch.zeros(2), MASK, ref_logp=old, kl_coef=0.5).item() == 0
+    assert loss_of(old.clone(), old, old, torch.zeros(2), MASK, ref_logp=old, kl_coef=0.5).item() == 0
     r = 0.5  # ref / pi
     k3 = r - 1 - math.log(r)
-    loss = grpo_loss(old.clone(), old, old, torch.zeros(2), MASK, ref_logp=old + math.log(r), kl_coef=0.5)
+    loss = loss_of(old.clone(), old, old, torch.zeros(2), MASK, ref_logp=old + math.log(r), kl_coef=0.5)
     assert loss.item() == pytest.approx(0.5 * k3, abs=1e-6)
+
+
+def optimizer_step(model, opt, scaler, loss):  # grpo_step's lines: zero, scaled backward, step
+    opt.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()
+    return unscale_clip_step(model, opt, scaler, max_grad_norm=1.0)
 
 
 def _tiny_model():
@@ -97,13 +153,13 @@ def test_nonfinite_gradient_step_is_skipped_and_weights_untouched(dtype):
     before = [p.detach().clone() for p in model.parameters()]
     scale0 = scaler.get_scale()
     loss = (model(torch.ones(1, 4)) * torch.tensor([float("inf"), 1.0])).sum()
-    _, skipped = optimizer_step(model, opt, scaler, loss, max_grad_norm=1.0)
+    _, skipped = optimizer_step(model, opt, scaler, loss)
     assert skipped
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     if dtype == "fp16":
         assert scaler.get_scale() == scale0 / 2  # dynamic loss scaling backs off
     # a clean step afterwards goes through and moves the weights
-    grad_norm, skipped = optimizer_step(model, opt, scaler, model(torch.ones(1, 4)).sum(), max_grad_norm=1.0)
+    grad_norm, skipped = optimizer_step(model, opt, scaler, model(torch.ones(1, 4)).sum())
     assert not skipped and math.isfinite(grad_norm)
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
@@ -194,3 +250,18 @@ def test_metrics_lines_are_strict_json_and_k3_is_accurate_at_float32s_floor():
     k3 = mismatch_metrics(d.float().double(), torch.zeros_like(d), torch.ones_like(d))["mismatch_k3"]
     # r - 1 - log r = d^2 / 2 + O(d^3): every term positive, none lost to rounding
     assert k3 > 0 and k3 == pytest.approx((d.float().double() ** 2 / 2).mean().item(), rel=1e-6)
+
+
+def test_engine_behavior_logp_makes_the_ratio_pi_over_mu(engine, warm_dir, varied_reward):
+    """--behavior-logp engine: pi_old is the engine's mu, so the first update's ratio pi_theta / pi_old
+    is pi / mu itself: 1 to float32 precision when both sides are fp32, visibly not in bf16."""
+    dev = {}
+    for name, vllm_dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
+        out = os.path.join(warm_dir, f"engine-{name}")
+        args = tiny_args(warm_dir, "--dtype", name, "--steps", "2", "--batch-size", "4", "--group-size", "4",
+                         "--behavior-logp", "engine", "--algorithm", "gspo", "--out", out)
+        train_grpo.train(args, llm=engine(vllm_dtype))
+        rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+        assert all(math.isfinite(r["mismatch_k3"]) and "clip_frac_pos" in r for r in rows)
+        dev[name] = rows[0]["ratio_dev_max"]
+    assert dev["fp32"] < 1e-4 and dev["bf16"] > 1e-3, dev
