@@ -21,8 +21,8 @@ import task
 from model import hf_named_tensors, load_hf, token_logprobs
 from precision import INIT_SCALE, get_precision, machine, machine_line, mismatch_metrics
 from rollout import generate, require_vllm, start_engine, sync_weights
-from train_grpo import (finish_args, grpo_loss, group_advantages, make_parser, model_config, pack, problems_for_step,
-                        warm_start, write_atomic)
+from train_grpo import (finish_args, grpo_loss, group_advantages, make_parser, model_config, number, pack,
+                        problems_for_step, warm_start, write_atomic)
 
 DTYPES = ("fp32", "bf16", "fp16")
 # The trainer's ways of computing: the 16-bit module (what a run uses, as verl/DeepSpeed do) and the
@@ -183,10 +183,111 @@ def scaler(args, engine=None):
     return result
 
 
+# ---------------------------------------------------------------------------------------------------
+# 3. The gradient-bias audit: how far the mismatch moves GRPO's update, next to the update's own noise
+
+PI_BUCKETS = (0.0, 0.01, 0.1, 0.5, 0.9, 1.0)  # the trainer's token probability, for the per-token table
+
+
+def audit_losses(logp, pi_logp, mu_logp, adv, mask, n_tokens):
+    """On samples from the engine (mu): GRPO's objective J = sum_i A_i sum_t log pi(y_it) / N_tokens,
+    and the mismatch's part of it, J_bias = sum_i (1 - w_i) A_i sum_t log pi(y_it) / N_tokens, where
+    w_i = prod_t pi / mu is sequence i's importance weight (detached). grad J is the gradient vanilla
+    GRPO follows; grad J - grad J_bias = grad of sum_i w_i A_i ... is the importance-weighted gradient,
+    unbiased for pi; so d = grad J_bias is the bias the mismatch adds on these samples. Returns
+    (J, J_bias, w). logp carries the gradient; pi_logp (the trainer's, in the run's dtype) does not."""
+    w = torch.exp(((pi_logp - mu_logp) * mask).sum(1)).detach()
+    per_seq = (logp * mask).sum(1)
+    return (adv * per_seq).sum() / n_tokens, ((1 - w) * adv * per_seq).sum() / n_tokens, w
+
+
+def audit(args, engine=None):
+    """For each dtype (engine and trainer in it, as a run uses them), over --batches independent
+    batches of the engine's samples: g (GRPO's gradient) and d (its bias, audit_losses) per batch.
+    Gradients are taken through the float32 forward at the same weights, so d holds the mismatch
+    alone (where the samples came from, mu, and how pi weighs them), not the 16-bit backward's own
+    rounding, which `scaler` measures. From the K batches:
+      b = mean d, with its standard error (the size |b| would have from noise alone, sqrt(tr Cov d / K));
+      sigma = sqrt(tr Cov g): the batch-to-batch noise of one step's gradient;
+      |E g|: the mean gradient's norm, its noise part removed (|mean g|^2 - tr Cov g / K);
+      steps = (sigma / |b|)^2: after n steps of the same bias, it sums to n|b| while the noise sums to
+      sqrt(n) sigma; they are equal at n = steps. That assumes the bias keeps its direction from step
+      to step, the noise is independent between steps, and the updates add up linearly (no Adam
+      rescaling, the weights barely moving): an order of magnitude, not a prediction."""
+    ckpt, model, device, get_engine = setup(args, engine)
+    params = [p for p in model.parameters()]
+    rows, buckets = [], []
+    for name in DTYPES:
+        prec, llm = get_precision(name, device), get_engine(name)
+        acc = {k: torch.zeros(sum(p.numel() for p in params), dtype=torch.float64) for k in ("g", "g2", "d", "d2")}
+        tok = {"pi": [], "d": []}
+        w_dev, k3 = [], []
+        for k in range(args.batches):
+            probs = problems_for_step(args, f"audit-{k}", args.batch_size)
+            # the same prompts and random numbers for every dtype (stream 2 of train_grpo.seed_engine_sampling)
+            seed = args.rl_seed * 1_000_003 + 2 * 999_983 + k
+            samples, idx, mask, mu = sample(llm, [task.prompt_ids(p) for p, _ in probs], args, seed, device)
+            answers = [a for _, a in probs for _ in range(args.group_size)]
+            adv = group_advantages(torch.tensor([task.reward(s.response_ids, a) for s, a in zip(samples, answers)]),
+                                   args.group_size).to(device)
+            with torch.no_grad():
+                pi = token_logprobs(prec.forward(model), idx)  # the trainer's pi, in the run's dtype
+            J, J_bias, w = audit_losses(token_logprobs(model, idx), pi, mu, adv, mask, mask.sum())
+            g = torch.cat([x.flatten() for x in torch.autograd.grad(J, params, retain_graph=True)]).double()
+            d = torch.cat([x.flatten() for x in torch.autograd.grad(J_bias, params)]).double()
+            for key, v in (("g", g), ("g2", g * g), ("d", d), ("d2", d * d)):
+                acc[key] += v  # float64 sums: tr Cov is a small difference of large sums
+            w_dev.append((w - 1).abs().mean().item())
+            k3.append(mismatch_metrics(mu, pi, mask)["mismatch_k3"])
+            tok["pi"].append(pi[mask.bool()].exp())
+            tok["d"].append((mu - pi)[mask.bool()])
+        K = args.batches
+        mean_g, mean_d = acc["g"] / K, acc["d"] / K
+        tr_cov_g = ((acc["g2"] - K * mean_g ** 2).sum() / (K - 1)).clamp(min=0).item()
+        tr_cov_d = ((acc["d2"] - K * mean_d ** 2).sum() / (K - 1)).clamp(min=0).item()
+        b, eg2 = mean_d.norm().item(), mean_g.norm().item() ** 2 - tr_cov_g / K
+        sigma, eg = math.sqrt(tr_cov_g), math.sqrt(max(eg2, 0.0))
+        rows.append({"dtype": name, "batches": K, "bias_norm": b, "bias_se": math.sqrt(tr_cov_d / K),
+                     "grad_noise": sigma, "grad_mean_norm": eg, "bias_over_noise": b / sigma if sigma else None,
+                     "bias_over_grad": b / eg if eg else None,
+                     "cos_bias_grad": (mean_d @ mean_g).item() / (b * mean_g.norm().item() + 1e-300),
+                     "steps_to_match_noise": (sigma / b) ** 2 if b else None,
+                     "seq_weight_abs_dev": sum(w_dev) / K, "mismatch_k3": sum(k3) / K})
+        pi_all, d_all = torch.cat(tok["pi"]), torch.cat(tok["d"]).double()
+        for lo, hi in zip(PI_BUCKETS[:-1], PI_BUCKETS[1:]):
+            sel = (pi_all >= lo) & (pi_all < hi) if hi < 1 else (pi_all >= lo)
+            n = int(sel.sum())
+            buckets.append({"dtype": name, "pi": f"{lo}-{hi}", "tokens": n,
+                            "mean_signed": d_all[sel].mean().item() if n else None,
+                            "mean_abs": d_all[sel].abs().mean().item() if n else None})
+    result = {"experiment": "audit", "checkpoint": ckpt, "machine": machine(), "response_tokens": args.max_new_tokens,
+              "sequences_per_batch": args.batch_size * args.group_size, "rows": rows, "by_pi": buckets}
+    print(f"\ngradient-bias audit on {ckpt}: {args.batches} batches x {result['sequences_per_batch']} sequences per dtype"
+          f"\n{machine_line(result['machine'])}\n")
+    print(f"{'dtype':6} {'|b|':>9} {'s.e.(b)':>9} {'sigma':>9} {'|E g|':>9} {'|b|/sigma':>10} {'|b|/|Eg|':>9} "
+          f"{'cos(b,Eg)':>9} {'steps':>10} {'|w - 1|':>9} {'k3':>9}")
+    for r in rows:
+        ratio = f"{r['bias_over_grad']:>9.1e}" if r["bias_over_grad"] is not None else f"{'-':>9}"
+        steps = f"{r['steps_to_match_noise']:>10.2e}" if r["steps_to_match_noise"] else f"{'-':>10}"
+        noise = f"{r['bias_over_noise']:>10.1e}" if r["bias_over_noise"] is not None else f"{'-':>10}"
+        print(f"{r['dtype']:6} {r['bias_norm']:>9.2e} {r['bias_se']:>9.2e} {r['grad_noise']:>9.2e} "
+              f"{r['grad_mean_norm']:>9.2e} {noise} {ratio} {r['cos_bias_grad']:>9.2f} "
+              f"{steps} {r['seq_weight_abs_dev']:>9.1e} {r['mismatch_k3']:>9.1e}")
+    print("\nper token, by the trainer's probability pi: tokens, mean (log mu - log pi), mean |log mu - log pi|")
+    print(f"{'pi':9} " + " ".join(f"{d:>30}" for d in DTYPES))
+    for bucket in dict.fromkeys(r["pi"] for r in buckets):
+        cells = {r["dtype"]: r for r in buckets if r["pi"] == bucket}
+        print(f"{bucket:9} " + " ".join(f"{c['tokens']:>8} {c['mean_signed']:>+10.2e} {c['mean_abs']:>10.2e}"
+                                      if c["tokens"] else f"{0:>8} {'-':>10} {'-':>10}" for c in cells.values()))
+    return result
+
+
 def get_args(argv=None):
     p = make_parser(__doc__.split("\n")[1])
-    p.add_argument("experiment", nargs="?", default="mismatch", choices=["mismatch", "scaler"],
+    p.add_argument("experiment", nargs="?", default="mismatch", choices=["mismatch", "scaler", "audit"],
                    help="which experiment (see the docstring)")
+    p.add_argument("--batches", type=number(int, low=2, low_ok=True), default=20,
+                   help="audit: independent batches (K) per dtype")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
     return finish_args(args, training=False, json_out=args.json)
@@ -194,7 +295,7 @@ def get_args(argv=None):
 
 def main(argv=None, engine=None):
     args = get_args(argv)
-    result = {"mismatch": mismatch, "scaler": scaler}[args.experiment](args, engine)
+    result = {"mismatch": mismatch, "scaler": scaler, "audit": audit}[args.experiment](args, engine)
     if args.json:
         write_atomic(args.json, json.dumps(result, indent=2))
         print(f"\nwritten to {args.json}")

@@ -265,3 +265,27 @@ def test_engine_behavior_logp_makes_the_ratio_pi_over_mu(engine, warm_dir, varie
         assert all(math.isfinite(r["mismatch_k3"]) and "clip_frac_pos" in r for r in rows)
         dev[name] = rows[0]["ratio_dev_max"]
     assert dev["fp32"] < 1e-4 and dev["bf16"] > 1e-3, dev
+
+
+def test_audit_bias_gradient_equals_the_direct_formula():
+    """d = grad J - grad J_IS = grad of sum_i (1 - w_i) A_i sum_t log pi / N, w_i = prod_t pi / mu."""
+    logp = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.4, 0.4, 0.9]])).requires_grad_()
+    mu = logp.detach() - torch.tensor([[1.5, 1.0, 1.0], [0.5, 1.0, 3.0]]).log()  # pi / mu per token
+    J, J_bias, w = probe.audit_losses(logp, logp.detach(), mu, ADV, MASK, MASK.sum())
+    assert torch.allclose(w, torch.tensor([1.5, 0.5]))  # the padding token's 3.0 is not counted
+    g = torch.autograd.grad(J, logp, retain_graph=True)[0]
+    d = torch.autograd.grad(J_bias, logp)[0]
+    # (1 - w) A = (1 - 1.5) * 1 and (1 - 0.5) * -1: -0.5 on every response token, over 5 tokens
+    assert torch.allclose(d, torch.tensor([[-0.5, -0.5, -0.5], [-0.5, -0.5, 0.]]) / 5)
+    g_is = torch.autograd.grad(((w * ADV) * (logp * MASK).sum(1)).sum() / 5, logp)[0]
+    assert torch.allclose(g - g_is, d)
+
+
+def test_audit_fp32_bias_is_at_the_noise_floor_and_bf16_exceeds_fp16(engine, warm_dir, varied_reward):
+    result = probe.main(probe_argv(warm_dir, "audit", "--batches", "3", "--batch-size", "8"), engine)
+    rows = {r["dtype"]: r for r in result["rows"]}
+    assert all(r["grad_noise"] > 0 for r in rows.values())
+    fp32 = rows["fp32"]
+    assert fp32["bias_norm"] <= 3 * fp32["bias_se"] or fp32["bias_norm"] < 1e-5 * fp32["grad_noise"], fp32
+    assert rows["bf16"]["bias_norm"] > rows["fp16"]["bias_norm"] > fp32["bias_norm"], rows
+    assert {b["pi"] for b in result["by_pi"]} == {"0.0-0.01", "0.01-0.1", "0.1-0.5", "0.5-0.9", "0.9-1.0"}
