@@ -134,8 +134,8 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, idx):
-        """Token ids (B, T) -> logits (B, T, vocab). Under autocast the linears run in 16 bits, so the
-        logits come out in 16 bits too: callers cast them to float32 before log_softmax."""
+        """Token ids (B, T) -> logits (B, T, vocab), in the dtype of the weights it runs on (precision.py
+        runs it on 16-bit copies): callers cast them to float32 before log_softmax."""
         cos, sin = rope_cos_sin(self.cfg, idx.shape[1], idx.device)
         x = self.embed_tokens(idx)
         for block in self.layers:

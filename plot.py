@@ -1,13 +1,16 @@
 """
-plot.py: the RL comparison figure. Reads the metrics.jsonl of several runs of train_grpo.py and draws
-one panel per quantity against the RL step, one colour per dtype, like the paper's training curves.
+plot.py: the figures. Each is drawn from files a command wrote, and prints the figures it shows.
 
-    python plot.py runs/fp16 runs/bf16 runs/fp32 --out figures/rl_default.png
+    python plot.py runs/fp16 runs/bf16 runs/fp32 --out figures/rl_default.png   # runs, one colour per dtype
+    python plot.py --probe runs/probe.json --out figures/probe.png              # each token's mu against pi
+    python plot.py --experiment runs/exp --out figures/experiment.png           # seeds: mean and spread
 
-Each run's folder holds args.json (its flags, with the dtype) and metrics.jsonl (one row per step).
-It also prints, per run, the figures the README's tables quote (results, and medians of the timings).
-Per-step values are noisy at this batch size: thin lines are the raw values, thick ones a moving
-average over --smooth steps.
+Runs: each folder holds args.json (its flags, with the dtype) and metrics.jsonl (one row per step);
+per run it prints the README's table rows (results, and medians of the timings). Per-step values are
+noisy at this batch size: thin lines are the raw values, thick ones a moving average over --smooth steps.
+Probe: one panel per dtype, every sampled token's engine probability mu against the trainer's pi.
+Experiment: run folders named ARM-DTYPE-sSEED; one row of panels per arm, one line per dtype (the mean
+over seeds, the spread between seeds shaded); it writes the numbers it draws to a JSON beside the PNG.
 """
 import argparse
 import json
@@ -66,20 +69,18 @@ def report(folder, dtype, rows):
           f"{med['rollout_tokens_per_s']:.0f} sampled tokens/s")
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description="plot several train_grpo.py runs, one colour per dtype")
-    p.add_argument("runs", nargs="+", help="run folders (--out of train_grpo.py)")
-    p.add_argument("--out", default="figures/rl.png", help="PNG to write")
-    p.add_argument("--smooth", type=int, default=5, help="moving-average window, in steps")
-    p.add_argument("--title", default=None)
-    p.error = fail  # argparse would add a usage block
-    args = p.parse_args(argv)
-    if args.smooth < 1:
-        fail("--smooth must be at least 1")
+def save(fig, out):
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    tmp = out + ".tmp.png"
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, out)  # never a half-written PNG
+    print(f"written {out}")
+
+
+def plot_runs(args):
     runs = [(folder, *load_run(folder)) for folder in args.runs]
     for folder, dtype, rows in runs:
         report(folder, dtype, rows)
-
     fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
     for ax, (key, label, yscale) in zip(axes.flat, PANELS):
         for folder, dtype, rows in runs:
@@ -103,11 +104,124 @@ def main(argv=None):
     axes.flat[0].legend()
     fig.suptitle(args.title or "GRPO with vLLM rollouts: " + ", ".join(sorted({d for _, d, _ in runs})))
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    tmp = args.out + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, args.out)  # never a half-written PNG
-    print(f"written {args.out}")
+    save(fig, args.out)
+
+
+def plot_probe(args):
+    """The paper's picture of the mismatch: each sampled token's probability under the engine (mu)
+    against the trainer's (pi), same weights, same dtype on both sides; and, below, mu - pi itself."""
+    try:
+        with open(args.probe) as f:
+            result = json.load(f)
+        tokens = result["tokens"]
+    except (OSError, ValueError, KeyError) as e:
+        fail(f"{args.probe} is not the JSON of `probe.py mismatch --json` ({e})")
+    fig, axes = plt.subplots(2, len(tokens), figsize=(4.6 * len(tokens), 8.4), squeeze=False)
+    for col, dtype in enumerate(d for d in ("bf16", "fp16", "fp32") if d in tokens):
+        mu, pi = np.exp(tokens[dtype]["mu"]), np.exp(tokens[dtype]["pi"])
+        top, bottom = axes[0, col], axes[1, col]
+        top.scatter(pi, mu, s=2, alpha=0.3, color=COLORS[dtype], rasterized=True)
+        top.plot([0, 1], [0, 1], color="k", lw=0.6)
+        top.set(title=f"{dtype}: engine and trainer both {dtype}", xlabel="trainer probability pi",
+                ylabel="engine probability mu", xlim=(0, 1), ylim=(0, 1))
+        bottom.scatter(pi, mu - pi, s=2, alpha=0.3, color=COLORS[dtype], rasterized=True)
+        bottom.axhline(0, color="k", lw=0.6)
+        lim = max(np.abs(np.exp(tokens["bf16"]["mu"]) - np.exp(tokens["bf16"]["pi"])).max(), 1e-6) * 1.05
+        bottom.set(xlabel="trainer probability pi", ylabel="mu - pi (same scale in every panel)", xlim=(0, 1),
+                   ylim=(-lim, lim))
+        print(f"{dtype}: {len(mu)} tokens, max |mu - pi| {np.abs(mu - pi).max():.2e}, mean {np.abs(mu - pi).mean():.2e}")
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3)
+    m = result.get("machine", {})
+    fig.suptitle(f"Every sampled token, {result['sequences_per_engine']} responses per dtype, {result['checkpoint']}\n"
+                 f"{m.get('gpu') or m.get('cpu')}, {m.get('vllm')}")
+    fig.tight_layout()
+    save(fig, args.out)
+
+
+EXP_PANELS = [("reward_mean", "training reward", "linear"), ("eval_accuracy", "held-out accuracy", "linear"),
+              ("mismatch_logp_abs_mean", "mean |log mu - log pi|", "log"),
+              ("clip_frac_pos", "clipped tokens, A > 0", "linear"), ("clip_frac_neg", "clipped tokens, A < 0", "linear")]
+
+
+def plot_experiment(args):
+    """Folders ARM-DTYPE-sSEED under args.experiment: per arm and dtype, each quantity's mean over the
+    seeds per step and its spread (min to max), and the table the README quotes."""
+    runs = {}
+    for name in sorted(os.listdir(args.experiment)):
+        folder = os.path.join(args.experiment, name)
+        arm, _, seed = name.rpartition("-s")
+        arm, _, dtype = arm.rpartition("-")
+        if os.path.isfile(os.path.join(folder, "summary.json")):  # finished runs only
+            with open(os.path.join(folder, "summary.json")) as f:
+                summary = json.load(f)
+            runs.setdefault(arm, {}).setdefault(dtype, []).append((seed, load_run(folder)[1], summary))
+    if not runs:
+        fail(f"{args.experiment} holds no finished run folder named ARM-DTYPE-sSEED")
+    out = {"arms": {}}
+    fig, axes = plt.subplots(len(runs), len(EXP_PANELS), figsize=(4 * len(EXP_PANELS), 3.2 * len(runs)), squeeze=False)
+    for row, (arm, by_dtype) in enumerate(runs.items()):
+        out["arms"][arm] = {}
+        for dtype in (d for d in ("fp16", "bf16", "fp32") if d in by_dtype):
+            seeds = by_dtype[dtype]
+            final = [s["eval_accuracy_after"] for _, _, s in seeds]
+            last10 = [s["reward_mean_last10"] for _, _, s in seeds]
+            cell = {"seeds": [s for s, _, _ in seeds], "eval_after": final, "reward_last10": last10,
+                    "eval_before": [s["eval_accuracy_before"] for _, _, s in seeds], "curves": {}}
+            for key in ("clip_frac_pos", "clip_frac_neg", "clip_seq_frac", "mismatch_logp_abs_mean"):
+                vals = [r[key] for _, rows, _ in seeds for r in rows if r.get(key) is not None]
+                cell[key + "_mean"] = float(np.mean(vals)) if vals else None
+            for col, (key, label, yscale) in enumerate(EXP_PANELS):
+                curves = [{r["step"]: r[key] for r in rows if r.get(key) is not None} for _, rows, _ in seeds]
+                steps = sorted(set.intersection(*(set(c) for c in curves)))
+                if not steps:
+                    continue
+                y = np.array([[c[t] for t in steps] for c in curves])
+                x = np.array(steps) + (1 if key == "eval_accuracy" else 0)  # eval after step s: s + 1 updates
+                cell["curves"][key] = {"x": x.tolist(), "mean": y.mean(0).tolist(), "min": y.min(0).tolist(),
+                                       "max": y.max(0).tolist()}
+                ax = axes[row, col]
+                ax.plot(x, y.mean(0), "o-" if key == "eval_accuracy" else "-", color=COLORS[dtype], lw=1.6,
+                        ms=3, label=f"{dtype} ({len(seeds)} seeds)")
+                ax.fill_between(x, y.min(0), y.max(0), color=COLORS[dtype], alpha=0.15, lw=0)
+                ax.set_yscale(yscale)
+                ax.set_title(f"{arm}: {label}", fontsize=10)
+                ax.grid(alpha=0.3)
+            out["arms"][arm][dtype] = cell
+            print(f"{arm:12} {dtype}: held-out after {np.mean(final):.3f} +- {np.std(final):.3f} | last-10 reward "
+                  f"{np.mean(last10):.3f} +- {np.std(last10):.3f} | clipped A>0 {fmt(cell['clip_frac_pos_mean'])} "
+                  f"A<0 {fmt(cell['clip_frac_neg_mean'])} | mean |log mu - log pi| {fmt(cell['mismatch_logp_abs_mean_mean'])}"
+                  f" | seeds {len(seeds)}")
+    axes[0, 0].legend(fontsize=8)
+    for ax in axes[-1]:
+        ax.set_xlabel("RL step")
+    fig.suptitle(args.title or "Mean over seeds (line) and the seeds' spread, min to max (shade)")
+    fig.tight_layout()
+    save(fig, args.out)
+    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"written {os.path.splitext(args.out)[0]}.json")
+
+
+def fmt(v):
+    return "-" if v is None else f"{v:.2e}"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="the figures: runs, the probe's tokens, the seeds experiment")
+    p.add_argument("runs", nargs="*", help="run folders (--out of train_grpo.py)")
+    p.add_argument("--probe", default=None, help="the JSON of `probe.py mismatch --json`")
+    p.add_argument("--experiment", default=None, help="a folder of runs named ARM-DTYPE-sSEED")
+    p.add_argument("--out", default="figures/rl.png", help="PNG to write")
+    p.add_argument("--smooth", type=int, default=5, help="moving-average window, in steps")
+    p.add_argument("--title", default=None)
+    p.error = fail  # argparse would add a usage block
+    args = p.parse_args(argv)
+    if args.smooth < 1:
+        fail("--smooth must be at least 1")
+    if sum(map(bool, (args.runs, args.probe, args.experiment))) != 1:
+        fail("give run folders, or --probe FILE, or --experiment DIR (one of them)")
+    plot_probe(args) if args.probe else plot_experiment(args) if args.experiment else plot_runs(args)
 
 
 if __name__ == "__main__":

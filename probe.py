@@ -13,7 +13,6 @@ and so the numbers, depend on the chip.
 """
 import json
 import math
-import os
 
 import torch
 
@@ -21,8 +20,9 @@ import task
 from model import hf_named_tensors, load_hf, token_logprobs
 from precision import INIT_SCALE, get_precision, machine, machine_line, mismatch_metrics
 from rollout import generate, require_vllm, start_engine, sync_weights
+from harness import write_atomic
 from train_grpo import (finish_args, grpo_loss, group_advantages, make_parser, model_config, number, pack,
-                        problems_for_step, warm_start, write_atomic)
+                        problems_for_step, warm_start)
 
 DTYPES = ("fp32", "bf16", "fp16")
 # The trainer's ways of computing: the 16-bit module (what a run uses, as verl/DeepSpeed do) and the

@@ -86,8 +86,8 @@ def sync_weights(llm, named_tensors, dtype):
     """Copy the trainer's weights (cast to the engine's dtype) into the running engine. Returns seconds.
     reload_weights is the in-place path that also handles the CPU backend's repacked linears."""
     t0 = time.perf_counter()
-    # The cast to the engine dtype happens here, once, exactly as a real serving stack would do it:
-    # the engine serves round(master weights) while the trainer rounds inside autocast.
+    # The cast to the engine dtype happens here, once, as a real RL stack does it: the engine serves
+    # round(master weights), the same 16-bit values the trainer's forward casts them to.
     weights = [(name, t.to(dtype)) for name, t in named_tensors]
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
     # Cached prefixes hold keys/values computed with the old weights: drop them.

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+import harness
 import plot
 import probe
 import train_grpo
@@ -206,6 +207,14 @@ def test_real_rl_steps_in_each_dtype(engine, warm_dir, varied_reward):
     assert [plot.load_run(os.path.join(warm_dir, d))[0] for d in ("fp32", "bf16", "fp16")] == ["fp32", "bf16", "fp16"]
     with pytest.raises(SystemExit):
         plot.main([str(warm_dir), "--out", png])  # a folder that holds no run: one-line error
+    # the seeds experiment's figure reads folders named ARM-DTYPE-sSEED (here one seed per dtype)
+    exp = os.path.join(warm_dir, "exp")
+    os.makedirs(exp)
+    for d in ("fp32", "bf16", "fp16"):
+        os.symlink(os.path.join(warm_dir, d), os.path.join(exp, f"grpo-{d}-s0"))
+    plot.main(["--experiment", exp, "--out", os.path.join(warm_dir, "exp.png")])
+    drawn = json.load(open(os.path.join(warm_dir, "exp.json")))["arms"]["grpo"]
+    assert sorted(drawn) == ["bf16", "fp16", "fp32"] and len(drawn["fp16"]["curves"]["reward_mean"]["x"]) == 3
 
 
 def probe_argv(warm_dir, experiment, *extra):
@@ -221,6 +230,9 @@ def test_offline_probe(engine, warm_dir):
     result = json.load(open(out))
     rows = {(r["engine"], r["trainer"]): r for r in result["rows"]}
     assert len(rows) == 15 and result["sequences_per_engine"] == 64 and result["machine"]["torch"]
+    png = os.path.join(warm_dir, "probe.png")
+    plot.main(["--probe", out, "--out", png])
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     k3 = {pair: r["mismatch_k3"] for pair, r in rows.items()}
     assert k3[("fp32", "fp32")] * 100 <= k3[("fp16", "fp16")] < k3[("bf16", "bf16")], k3
     assert k3[("bf16", "fp32")] > k3[("fp16", "fp32")] > k3[("fp32", "fp32")], k3  # engine-side rounding alone
@@ -243,7 +255,7 @@ def test_fp16_backward_loses_gradient_to_underflow_without_loss_scaling(engine, 
 
 
 def test_metrics_lines_are_strict_json_and_k3_is_accurate_at_float32s_floor():
-    line = train_grpo.json_line({"step": 3, "grad_norm": float("inf"), "loss": float("nan"), "reward_mean": 0.5})
+    line = harness.json_line({"step": 3, "grad_norm": float("inf"), "loss": float("nan"), "reward_mean": 0.5})
     assert json.loads(line) == {"step": 3, "grad_norm": None, "loss": None, "reward_mean": 0.5,
                                 "nonfinite": ["grad_norm", "loss"]}
     d = torch.tensor([[1e-8, -2e-8, 3e-9]], dtype=torch.float64)  # log mu - log pi, an fp32 run's size
