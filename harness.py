@@ -22,7 +22,6 @@ from model import load_hf, save_hf
 from precision import machine, machine_line
 
 
-
 @contextmanager
 def run_folder(out):
     """Hold a lock on --out for the run (the kernel drops it if the process dies: two runs never
@@ -107,7 +106,7 @@ class Run:
         if (step + 1) % self.args.ckpt_every == 0 or step + 1 == self.args.steps or stop:
             self.save(step + 1)
 
-    def finish(self, ckpt):
+    def finish(self):
         save_hf(self.model, os.path.join(self.args.out, "hf"))
         h, last = self.history, self.history[-10:]
         summary = {"dtype": self.prec.name, "steps": self.args.steps, "eval_accuracy_before": self.acc0,

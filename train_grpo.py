@@ -32,14 +32,15 @@ import time
 import torch
 
 import task
-from model import GPT, GPTConfig, hf_named_tensors, load_hf, save_hf, token_logprobs
 from harness import Run, check_args, fail, run_folder
+from model import GPT, GPTConfig, hf_named_tensors, load_hf, save_hf, token_logprobs
 from precision import ALIASES, get_precision, machine, machine_line, mismatch_metrics
 from rollout import generate, require_vllm, start_engine, sync_weights  # vllm itself is imported lazily
 
 # The paper's algorithms (grpo_loss) and the cap C each one's importance weights use by default:
 # Token-TIS 2 and GRPO + Seq-MIS 10 from the paper's oat sanity scripts (--tis_c 2, --seq_is_clip_max
-# 10); PG-Seq-IS unbounded (oat's default); PG-Seq-MIS 3 (oat's bf16_seq_mis.sh). GSPO clips its
+# 10); PG-Seq-IS unbounded (oat's default); PG-Seq-MIS 3 (oat's bf16_seq_mis.sh, whose code truncates
+# at C where the paper's MIS, and ours, drops the sequence). GSPO clips its
 # length-normalised sequence ratio to [1 - 3e-4, 1 + 4e-4] (the GSPO paper's range, as oat uses it).
 ALGORITHMS = ("grpo", "token-tis", "seq-mis", "pg-seq-is", "pg-seq-mis", "gspo")
 CAPS = {"token-tis": 2.0, "seq-mis": 10.0, "pg-seq-is": math.inf, "pg-seq-mis": 3.0}
@@ -425,7 +426,7 @@ def train(args, llm=None):
                 print(f"{stop['signal']}: stopped after step {step}; checkpoint and metrics are in {args.out}; "
                       f"continue with --resume")
                 return None
-        return run.finish(ckpt)
+        return run.finish()
 
 
 def get_args(argv=None):
