@@ -6,6 +6,7 @@ metrics as strict JSON, numerical stops, and refusing bad input before anything 
 What it teaches: nothing about precision, on purpose. Every behaviour here is tested
 (tests/test_hardening.py), so train_grpo.py can read as the algorithm alone.
 """
+import argparse
 import fcntl
 import json
 import math
@@ -143,6 +144,18 @@ def read_metrics(path):
             except json.JSONDecodeError:  # a line cut by a hard kill: that step is redone
                 break
     return rows
+
+
+def number(kind, low=0.0, low_ok=False, high=None):
+    """An argparse type: a `kind` number above `low` (or equal to it if low_ok), below `high`."""
+    def parse(text):
+        value = kind(text)  # a ValueError becomes argparse's "invalid float value"
+        if value < low or (value == low and not low_ok) or (high is not None and value > high):
+            bound = f">= {low}" if low_ok else f"> {low}"
+            raise argparse.ArgumentTypeError(f"must be {bound}" + (f" and <= {high}" if high else "") + f", got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def fail(message):

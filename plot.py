@@ -1,7 +1,7 @@
 """
 plot.py: the figures. Each is drawn from files a command wrote, and prints the figures it shows.
 
-    python plot.py runs/fp16 runs/bf16 runs/fp32 --out figures/rl_default.png   # runs, one colour per dtype
+    python plot.py runs/fp16 runs/bf16 runs/fp32 --out runs/rl.png               # runs, one colour per dtype
     python plot.py --probe runs/probe.json --out figures/probe.png              # each token's mu against pi
     python plot.py --experiment runs/exp --out figures/experiment.png           # seeds: mean and spread
 
@@ -140,8 +140,9 @@ def plot_probe(args):
 
 
 EXP_PANELS = [("reward_mean", "training reward", "linear"), ("eval_accuracy", "held-out accuracy", "linear"),
-              ("mismatch_logp_abs_mean", "mean |log mu - log pi|", "log"),
-              ("clip_frac_pos", "clipped tokens, A > 0", "linear"), ("clip_frac_neg", "clipped tokens, A < 0", "linear")]
+              ("mismatch_logp_abs_mean", "mean |log mu - log pi|", "log")]
+CLIP_PANELS = [("clip_frac_pos", "clipped tokens, A > 0", "linear"), ("clip_frac_neg", "clipped tokens, A < 0", "linear")]
+IS_PANELS = [("is_weight_mean", "IS weight, batch mean", "linear"), ("is_weight_max", "IS weight, batch max", "linear")]
 
 
 def plot_experiment(args):
@@ -159,7 +160,7 @@ def plot_experiment(args):
     if not runs:
         fail(f"{args.experiment} holds no finished run folder named ARM-DTYPE-sSEED")
     out = {"arms": {}}
-    fig, axes = plt.subplots(len(runs), len(EXP_PANELS), figsize=(4 * len(EXP_PANELS), 3.2 * len(runs)), squeeze=False)
+    fig, axes = plt.subplots(len(runs), 5, figsize=(20, 3.2 * len(runs)), squeeze=False)
     for row, (arm, by_dtype) in enumerate(runs.items()):
         out["arms"][arm] = {}
         for dtype in (d for d in ("fp16", "bf16", "fp32") if d in by_dtype):
@@ -168,10 +169,11 @@ def plot_experiment(args):
             last10 = [s["reward_mean_last10"] for _, _, s in seeds]
             cell = {"seeds": [s for s, _, _ in seeds], "eval_after": final, "reward_last10": last10,
                     "eval_before": [s["eval_accuracy_before"] for _, _, s in seeds], "curves": {}}
-            for key in ("clip_frac_pos", "clip_frac_neg", "clip_seq_frac", "mismatch_logp_abs_mean"):
+            for key in ("clip_frac_pos", "clip_frac_neg", "clip_seq_frac", "mismatch_logp_abs_mean", "is_weight_max"):
                 vals = [r[key] for _, rows, _ in seeds for r in rows if r.get(key) is not None]
                 cell[key + "_mean"] = float(np.mean(vals)) if vals else None
-            for col, (key, label, yscale) in enumerate(EXP_PANELS):
+            clipped = cell["clip_frac_pos_mean"] is not None  # PPO-style arms log clipping, the others IS weights
+            for col, (key, label, yscale) in enumerate(EXP_PANELS + (CLIP_PANELS if clipped else IS_PANELS)):
                 curves = [{r["step"]: r[key] for r in rows if r.get(key) is not None} for _, rows, _ in seeds]
                 steps = sorted(set.intersection(*(set(c) for c in curves)))
                 if not steps:
@@ -187,12 +189,12 @@ def plot_experiment(args):
                 ax.set_yscale(yscale)
                 ax.set_title(f"{arm}: {label}", fontsize=10)
                 ax.grid(alpha=0.3)
+            axes[row, 0].legend(fontsize=8)
             out["arms"][arm][dtype] = cell
             print(f"{arm:12} {dtype}: held-out after {np.mean(final):.3f} +- {np.std(final):.3f} | last-10 reward "
                   f"{np.mean(last10):.3f} +- {np.std(last10):.3f} | clipped A>0 {fmt(cell['clip_frac_pos_mean'])} "
-                  f"A<0 {fmt(cell['clip_frac_neg_mean'])} | mean |log mu - log pi| {fmt(cell['mismatch_logp_abs_mean_mean'])}"
+                  f"A<0 {fmt(cell['clip_frac_neg_mean'])} | IS weight max {fmt(cell['is_weight_max_mean'])} | mean |log mu - log pi| {fmt(cell['mismatch_logp_abs_mean_mean'])}"
                   f" | seeds {len(seeds)}")
-    axes[0, 0].legend(fontsize=8)
     for ax in axes[-1]:
         ax.set_xlabel("RL step")
     fig.suptitle(args.title or "Mean over seeds (line) and the seeds' spread, min to max (shade)")

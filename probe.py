@@ -20,8 +20,8 @@ import task
 from model import hf_named_tensors, load_hf, token_logprobs
 from precision import INIT_SCALE, get_precision, machine, machine_line, mismatch_metrics
 from rollout import generate, require_vllm, start_engine, sync_weights
-from harness import write_atomic
-from train_grpo import (finish_args, grpo_loss, group_advantages, make_parser, model_config, number, pack,
+from harness import number, write_atomic
+from train_grpo import (finish_args, grpo_loss, group_advantages, make_parser, model_config, pack,
                         problems_for_step, warm_start)
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -207,7 +207,8 @@ def audit(args, engine=None):
     Gradients are taken through the float32 forward at the same weights, so d holds the mismatch
     alone (where the samples came from, mu, and how pi weighs them), not the 16-bit backward's own
     rounding, which `scaler` measures. From the K batches:
-      b = mean d, with its standard error (the size |b| would have from noise alone, sqrt(tr Cov d / K));
+      mean d, with its standard error (the size |mean d| would have from noise alone, sqrt(tr Cov d / K));
+      |b|: the bias's norm, that noise removed (|mean d|^2 - tr Cov d / K, an unbiased estimate of |b|^2);
       sigma = sqrt(tr Cov g): the batch-to-batch noise of one step's gradient;
       |E g|: the mean gradient's norm, its noise part removed (|mean g|^2 - tr Cov g / K);
       steps = (sigma / |b|)^2: after n steps of the same bias, it sums to n|b| while the noise sums to
@@ -245,12 +246,14 @@ def audit(args, engine=None):
         mean_g, mean_d = acc["g"] / K, acc["d"] / K
         tr_cov_g = ((acc["g2"] - K * mean_g ** 2).sum() / (K - 1)).clamp(min=0).item()
         tr_cov_d = ((acc["d2"] - K * mean_d ** 2).sum() / (K - 1)).clamp(min=0).item()
-        b, eg2 = mean_d.norm().item(), mean_g.norm().item() ** 2 - tr_cov_g / K
-        sigma, eg = math.sqrt(tr_cov_g), math.sqrt(max(eg2, 0.0))
-        rows.append({"dtype": name, "batches": K, "bias_norm": b, "bias_se": math.sqrt(tr_cov_d / K),
+        # |mean x|^2 overstates |E x|^2 by the noise's tr Cov / K; subtracting it gives an unbiased estimate
+        b2, eg2 = mean_d.norm().item() ** 2 - tr_cov_d / K, mean_g.norm().item() ** 2 - tr_cov_g / K
+        sigma, b, eg = math.sqrt(tr_cov_g), math.sqrt(max(b2, 0.0)), math.sqrt(max(eg2, 0.0))
+        rows.append({"dtype": name, "batches": K, "mean_d_norm": mean_d.norm().item(), "bias_se": math.sqrt(tr_cov_d / K),
+                     "bias_norm": b,
                      "grad_noise": sigma, "grad_mean_norm": eg, "bias_over_noise": b / sigma if sigma else None,
                      "bias_over_grad": b / eg if eg else None,
-                     "cos_bias_grad": (mean_d @ mean_g).item() / (b * mean_g.norm().item() + 1e-300),
+                     "cos_bias_grad": (mean_d @ mean_g).item() / (mean_d.norm() * mean_g.norm() + 1e-300).item(),
                      "steps_to_match_noise": (sigma / b) ** 2 if b else None,
                      "seq_weight_abs_dev": sum(w_dev) / K, "mismatch_k3": sum(k3) / K})
         pi_all, d_all = torch.cat(tok["pi"]), torch.cat(tok["d"]).double()
@@ -259,26 +262,28 @@ def audit(args, engine=None):
             n = int(sel.sum())
             buckets.append({"dtype": name, "pi": f"{lo}-{hi}", "tokens": n,
                             "mean_signed": d_all[sel].mean().item() if n else None,
+                            "signed_se": (d_all[sel].std() / math.sqrt(n)).item() if n > 1 else None,
                             "mean_abs": d_all[sel].abs().mean().item() if n else None})
     result = {"experiment": "audit", "checkpoint": ckpt, "machine": machine(), "response_tokens": args.max_new_tokens,
               "sequences_per_batch": args.batch_size * args.group_size, "rows": rows, "by_pi": buckets}
     print(f"\ngradient-bias audit on {ckpt}: {args.batches} batches x {result['sequences_per_batch']} sequences per dtype"
           f"\n{machine_line(result['machine'])}\n")
-    print(f"{'dtype':6} {'|b|':>9} {'s.e.(b)':>9} {'sigma':>9} {'|E g|':>9} {'|b|/sigma':>10} {'|b|/|Eg|':>9} "
+    print(f"{'dtype':6} {'|mean d|':>9} {'s.e.':>9} {'|b|':>9} {'sigma':>9} {'|E g|':>9} {'|b|/sigma':>10} {'|b|/|Eg|':>9} "
           f"{'cos(b,Eg)':>9} {'steps':>10} {'|w - 1|':>9} {'k3':>9}")
     for r in rows:
         ratio = f"{r['bias_over_grad']:>9.1e}" if r["bias_over_grad"] is not None else f"{'-':>9}"
         steps = f"{r['steps_to_match_noise']:>10.2e}" if r["steps_to_match_noise"] else f"{'-':>10}"
         noise = f"{r['bias_over_noise']:>10.1e}" if r["bias_over_noise"] is not None else f"{'-':>10}"
-        print(f"{r['dtype']:6} {r['bias_norm']:>9.2e} {r['bias_se']:>9.2e} {r['grad_noise']:>9.2e} "
+        print(f"{r['dtype']:6} {r['mean_d_norm']:>9.2e} {r['bias_se']:>9.2e} {r['bias_norm']:>9.2e} {r['grad_noise']:>9.2e} "
               f"{r['grad_mean_norm']:>9.2e} {noise} {ratio} {r['cos_bias_grad']:>9.2f} "
               f"{steps} {r['seq_weight_abs_dev']:>9.1e} {r['mismatch_k3']:>9.1e}")
-    print("\nper token, by the trainer's probability pi: tokens, mean (log mu - log pi), mean |log mu - log pi|")
-    print(f"{'pi':9} " + " ".join(f"{d:>30}" for d in DTYPES))
+    print("\nper token, by the trainer's probability pi: tokens, mean (log mu - log pi) / its s.e., mean |log mu - log pi|")
+    print(f"{'pi':9} " + " ".join(f"{d:>36}" for d in DTYPES))
     for bucket in dict.fromkeys(r["pi"] for r in buckets):
         cells = {r["dtype"]: r for r in buckets if r["pi"] == bucket}
-        print(f"{bucket:9} " + " ".join(f"{c['tokens']:>8} {c['mean_signed']:>+10.2e} {c['mean_abs']:>10.2e}"
-                                      if c["tokens"] else f"{0:>8} {'-':>10} {'-':>10}" for c in cells.values()))
+        print(f"{bucket:9} " + " ".join(f"{c['tokens']:>8} {c['mean_signed']:>+10.2e} {c['mean_signed'] / c['signed_se']:>+5.1f}"
+                                      f" {c['mean_abs']:>10.2e}" if c["tokens"] > 1 and c["signed_se"] else
+                                      f"{c['tokens']:>8} {'-':>10} {'-':>5} {'-':>10}" for c in cells.values()))
     return result
 
 

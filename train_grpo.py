@@ -32,7 +32,7 @@ import time
 import torch
 
 import task
-from harness import Run, check_args, fail, run_folder
+from harness import Run, check_args, fail, number, run_folder
 from model import GPT, GPTConfig, hf_named_tensors, load_hf, save_hf, token_logprobs
 from precision import ALIASES, get_precision, machine, machine_line, mismatch_metrics
 from rollout import generate, require_vllm, start_engine, sync_weights  # vllm itself is imported lazily
@@ -49,18 +49,6 @@ GSPO_CLIP = (3e-4, 4e-4)
 
 # ---------------------------------------------------------------------------------------------------
 # Flags
-
-def number(kind, low=0.0, low_ok=False, high=None):
-    """An argparse type: a `kind` number above `low` (or equal to it if low_ok), below `high`."""
-    def parse(text):
-        value = kind(text)  # a ValueError becomes argparse's "invalid float value"
-        if value < low or (value == low and not low_ok) or (high is not None and value > high):
-            bound = f">= {low}" if low_ok else f"> {low}"
-            raise argparse.ArgumentTypeError(f"must be {bound}" + (f" and <= {high}" if high else "") + f", got {text}")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
-
 
 POS_INT, POS_FLOAT, NONNEG = number(int), number(float), number(float, low_ok=True)
 

@@ -15,7 +15,7 @@ def test_tokenizer_round_trips_any_string():
 
 
 def test_reward_on_correct_wrong_malformed_truncated_empty():
-    prompt, answer = "sort 3,1,2=", "1,2,3"
+    answer = "1,2,3"  # the answer to "sort 3,1,2="
     good = task.answer_ids(answer)
     assert task.reward(good, answer) == 1.0
     assert task.reward(task.answer_ids("1,3,2"), answer) == 0.0          # wrong
