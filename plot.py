@@ -160,7 +160,8 @@ def plot_experiment(args):
     if not runs:
         fail(f"{args.experiment} holds no finished run folder named ARM-DTYPE-sSEED")
     out = {"arms": {}}
-    fig, axes = plt.subplots(len(runs), 5, figsize=(20, 3.2 * len(runs)), squeeze=False)
+    ncols = len(EXP_PANELS) + len(CLIP_PANELS)  # the last panels show clipping or IS weights, by arm
+    fig, axes = plt.subplots(len(runs), ncols, figsize=(4 * ncols, 3.2 * len(runs)), squeeze=False)
     for row, (arm, by_dtype) in enumerate(runs.items()):
         out["arms"][arm] = {}
         for dtype in (d for d in ("fp16", "bf16", "fp32") if d in by_dtype):

@@ -246,14 +246,14 @@ def audit(args, engine=None):
         mean_g, mean_d = acc["g"] / K, acc["d"] / K
         tr_cov_g = ((acc["g2"] - K * mean_g ** 2).sum() / (K - 1)).clamp(min=0).item()
         tr_cov_d = ((acc["d2"] - K * mean_d ** 2).sum() / (K - 1)).clamp(min=0).item()
+        d_norm, g_norm = mean_d.norm().item(), mean_g.norm().item()
         # |mean x|^2 overstates |E x|^2 by the noise's tr Cov / K; subtracting it gives an unbiased estimate
-        b2, eg2 = mean_d.norm().item() ** 2 - tr_cov_d / K, mean_g.norm().item() ** 2 - tr_cov_g / K
-        sigma, b, eg = math.sqrt(tr_cov_g), math.sqrt(max(b2, 0.0)), math.sqrt(max(eg2, 0.0))
-        rows.append({"dtype": name, "batches": K, "mean_d_norm": mean_d.norm().item(), "bias_se": math.sqrt(tr_cov_d / K),
-                     "bias_norm": b,
-                     "grad_noise": sigma, "grad_mean_norm": eg, "bias_over_noise": b / sigma if sigma else None,
-                     "bias_over_grad": b / eg if eg else None,
-                     "cos_bias_grad": (mean_d @ mean_g).item() / (mean_d.norm() * mean_g.norm() + 1e-300).item(),
+        b, eg = math.sqrt(max(d_norm ** 2 - tr_cov_d / K, 0.0)), math.sqrt(max(g_norm ** 2 - tr_cov_g / K, 0.0))
+        sigma = math.sqrt(tr_cov_g)
+        rows.append({"dtype": name, "batches": K, "mean_d_norm": d_norm, "bias_se": math.sqrt(tr_cov_d / K),
+                     "bias_norm": b, "grad_noise": sigma, "grad_mean_norm": eg,
+                     "bias_over_noise": b / sigma if sigma else None, "bias_over_grad": b / eg if eg else None,
+                     "cos_bias_grad": (mean_d @ mean_g).item() / (d_norm * g_norm + 1e-300),
                      "steps_to_match_noise": (sigma / b) ** 2 if b else None,
                      "seq_weight_abs_dev": sum(w_dev) / K, "mismatch_k3": sum(k3) / K})
         pi_all, d_all = torch.cat(tok["pi"]), torch.cat(tok["d"]).double()
