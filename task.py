@@ -16,52 +16,42 @@ import tiktoken
 
 BOS, EOS = "<|bos|>", "<|eos|>"
 
-
-def get_tokenizer():
-    ranks = {bytes([i]): i for i in range(256)}
-    # pat_str splits text into pieces before BPE; with no merges any split gives the same bytes.
-    return tiktoken.Encoding(name="bytes", pat_str=r".", mergeable_ranks=ranks,
-                             special_tokens={BOS: 256, EOS: 257})
-
-
-TOKENIZER = get_tokenizer()
+# pat_str splits text into pieces before BPE; with no merges any split gives the same bytes.
+TOKENIZER = tiktoken.Encoding(name="bytes", pat_str=r".", mergeable_ranks={bytes([i]): i for i in range(256)},
+                              special_tokens={BOS: 256, EOS: 257})
 BOS_ID, EOS_ID = TOKENIZER.encode_single_token(BOS), TOKENIZER.encode_single_token(EOS)
 VOCAB_SIZE = TOKENIZER.n_vocab  # 258
-
 
 def encode(text):
     return TOKENIZER.encode(text, allowed_special="all")
 
-
 def decode(ids):
     # errors="replace": a policy can sample byte sequences that are not UTF-8; reward them, don't crash.
     return TOKENIZER.decode_bytes(ids).decode("utf-8", errors="replace") if ids else ""
-
 
 def make_problem(rng, n_items):
     """One problem: (prompt text, answer text), digits drawn with replacement."""
     digits = [rng.randrange(10) for _ in range(n_items)]
     return "sort " + ",".join(map(str, digits)) + "=", ",".join(map(str, sorted(digits)))
 
-
 def make_splits(seed, n_items, n_eval):
-    """Held-out eval problems (a fixed list) and an endless train-problem generator that never yields
-    an eval prompt. Both are determined by the seed alone."""
+    """Held-out problems (a fixed list) and train_batch(key, n): n training problems drawn from the
+    stream named `key` (the caller names it by phase and step, e.g. "0-sft-12" or "0-7"), never an
+    eval prompt. Everything is determined by the seed and the key alone: repeatable runs, exact resume."""
     rng = random.Random(f"eval-{seed}")
     eval_set = {}
     while len(eval_set) < n_eval:
         prompt, answer = make_problem(rng, n_items)
         eval_set[prompt] = answer
-    eval_problems = list(eval_set.items())
 
-    def train_problems(stream_seed):
-        rng = random.Random(f"train-{seed}-{stream_seed}")
-        while True:
+    def train_batch(key, n):
+        rng, batch = random.Random(f"train-{seed}-{key}"), []
+        while len(batch) < n:
             prompt, answer = make_problem(rng, n_items)
             if prompt not in eval_set:
-                yield prompt, answer
-    return train_problems, eval_problems
-
+                batch.append((prompt, answer))
+        return batch
+    return list(eval_set.items()), train_batch
 
 def noisy_answer(answer, rng, p):
     """A worked solution with mistakes: each digit replaced by a random digit with probability p.
@@ -70,15 +60,12 @@ def noisy_answer(answer, rng, p):
     temperature 1 it is right about (1 - 0.9p)^n_items of the time, and RL has that gap to close."""
     return "".join(str(rng.randrange(10)) if c.isdigit() and rng.random() < p else c for c in answer)
 
-
 def prompt_ids(prompt):
     return [BOS_ID] + encode(prompt)
-
 
 def answer_ids(answer):
     """The worked solution as the model should write it: answer tokens then <|eos|>."""
     return encode(answer) + [EOS_ID]
-
 
 def reward(response_ids, answer):
     """1.0 for exactly the right answer followed by <|eos|>; 0.0 for anything else: wrong, malformed,

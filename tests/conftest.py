@@ -1,19 +1,32 @@
-"""Shared fixtures: one real vLLM engine per dtype for the whole test session, and one small
-warm-started checkpoint. Tests that compare the engine with the trainer sync the weights they
-compare against into the engine first, so test order never matters."""
+"""Shared fixtures: one real vLLM engine per (dtype, LM head) for the whole test session, a small warm
+start in a temporary cache, and one small random checkpoint. Tests that compare the engine with the
+trainer sync the weights they compare against into the engine first, so test order never matters."""
 import os
 import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 import rollout  # noqa: E402  (sets the vLLM environment variables before vllm is imported)
 import task  # noqa: E402
+import train_grpo  # noqa: E402
 from model import GPT, GPTConfig, save_hf  # noqa: E402
 
 MAX_LEN = 128
+
+
+@pytest.fixture(scope="session", autouse=True)
+def small_warm_start(tmp_path_factory):
+    """A warm start of 40 steps of 32 problems (it solves nothing, fast) and 32 held-out problems."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train_grpo, "SFT_STEPS", 40)
+        mp.setattr(train_grpo, "SFT_BATCH", 32)
+        mp.setattr(train_grpo, "N_EVAL", 32)
+        mp.setattr(train_grpo, "WARMSTART_DIR", str(tmp_path_factory.mktemp("warmstart")))
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -28,22 +41,24 @@ def random_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def engine(random_ckpt):
-    """engine("float32" | "float16" | "bfloat16") -> the session's one vLLM engine of that dtype."""
+    """engine("float32" | "float16" | "bfloat16", head_fp32=False) -> the session's one vLLM engine of that kind."""
     engines = {}
 
-    def get(vllm_dtype):
-        if vllm_dtype not in engines:
-            engines[vllm_dtype] = rollout.start_engine(random_ckpt, vllm_dtype, seed=0, max_model_len=MAX_LEN)
-        return engines[vllm_dtype]
+    def get(vllm_dtype, head_fp32=False):
+        if (vllm_dtype, head_fp32) not in engines:
+            engines[vllm_dtype, head_fp32] = rollout.start_engine(random_ckpt, vllm_dtype, 0, MAX_LEN, head_fp32)
+        return engines[vllm_dtype, head_fp32]
     return get
 
 
 def tiny_args(tmp, *extra):
-    """train_grpo arguments for a small, fast run of the real pipeline."""
-    import train_grpo
-    return train_grpo.get_args(["--sft-steps", "40", "--sft-batch", "32", "--n-eval", "32",
-                                "--warmstart-dir", os.path.join(tmp, "warmstart"),
-                                "--out", os.path.join(tmp, "run"), *extra])  # a later --out wins
+    """train_grpo arguments for a small, fast run of the real pipeline (a later --out wins)."""
+    return train_grpo.get_args(["--out", os.path.join(tmp, "run"), *extra])
+
+
+def rl(steps=4):
+    """Flags for a few small real RL steps."""
+    return ["--steps", str(steps), "--batch-size", "4", "--group-size", "4"]
 
 
 @pytest.fixture(scope="session")
@@ -53,8 +68,7 @@ def warm_dir(tmp_path_factory):
 
 @pytest.fixture
 def varied_reward(monkeypatch):
-    """The tiny warm start of these tests solves nothing, so every reward, advantage and gradient
-    would be 0 and no weight would move. Reward the parity of the first sampled token instead: it
-    varies within a group, so the RL steps really update the model (and its optimizer state)."""
-    import train_grpo
+    """The tiny warm start solves nothing, so every reward, advantage and gradient would be 0 and no
+    weight would move. Reward the parity of the first sampled token instead: it varies within a
+    group, so the RL steps really update the model (and its optimizer state)."""
     monkeypatch.setattr(train_grpo.task, "reward", lambda ids, answer: float(bool(ids) and ids[0] % 2 == 0))

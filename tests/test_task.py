@@ -28,16 +28,16 @@ def test_reward_on_correct_wrong_malformed_truncated_empty():
 
 
 def test_problems_are_correct_long_enough_and_splits_disjoint():
-    train_problems, eval_problems = task.make_splits(seed=0, n_items=12, n_eval=200)
+    eval_problems, train_batch = task.make_splits(seed=0, n_items=12, n_eval=200)
     assert len({p for p, _ in eval_problems}) == 200
-    gen = train_problems("a")
-    train = [next(gen) for _ in range(2000)]
+    train = train_batch("a", 2000)
+    assert train_batch("a", 2000) == train and train_batch("b", 50) != train[:50]
     assert not {p for p, _ in train} & {p for p, _ in eval_problems}
     for p, a in train[:50]:
         digits = p[len("sort "):-1].split(",")
         assert a.split(",") == sorted(digits)
         assert len(task.answer_ids(a)) >= 24
     # determined by the seed alone; the difficulty knob makes responses longer
-    assert task.make_splits(0, 12, 200)[1] == eval_problems
-    _, longer = task.make_splits(0, 20, 10)
+    assert task.make_splits(0, 12, 200)[0] == eval_problems
+    longer, _ = task.make_splits(0, 20, 10)
     assert len(task.answer_ids(longer[0][1])) == 40

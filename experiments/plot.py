@@ -1,0 +1,223 @@
+"""
+experiments/plot.py: the figures and tables, each drawn from files a command wrote, printed as drawn.
+
+    python experiments/plot.py experiment runs/exp --out figures/experiment.png   # RL over seeds, paired by seed
+    python experiments/plot.py probe runs/probe.json --out figures/probe.png       # each token's mu against pi
+    python experiments/plot.py fixes figures/probe.json figures/experiment.json --out figures/fixes.png
+
+experiment: run folders named ARM-VARIANT-sSEED (VARIANT: fp16, bf16, fp32, bf16-head32 for --lm-head
+fp32, bf16-engine32 for --engine-dtype fp32), each with args.json and metrics.jsonl. Per arm and
+variant: n, mean and standard error (ddof 1) over seeds; each variant's difference from bf16 paired
+by seed (same prompts, same random numbers), with a 95 % t interval and an exact sign-flip test.
+It writes the numbers it draws to a JSON beside the PNG.
+"""
+import argparse
+import itertools
+import json
+import math
+import os
+import sys
+
+import matplotlib
+import numpy as np
+
+matplotlib.use("Agg")  # write files, never open a window
+import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from train_grpo import read_metrics, write_atomic  # noqa: E402
+from experiments.probe import fmt, t_quantile  # noqa: E402
+
+COLORS = {"fp16": "tab:blue", "bf16": "tab:red", "fp32": "0.35", "bf16-head32": "tab:orange", "bf16-engine32": "tab:purple"}
+PANELS = [("reward_mean", "training reward"), ("eval_accuracy", "held-out accuracy"),
+          ("mismatch_logp_abs_mean", "mean |log mu - log pi|"), ("clip_frac_neg", "clipped tokens, A < 0"),
+          ("clip_frac_pos", "clipped tokens, A > 0")]
+FIXES = [  # variant, the probe's matched row (engine, trainer), what a forker changes to adopt it
+    ("bf16", ("bf16", "bf16"), "the baseline"),
+    ("fp16", ("fp16", "fp16"), "--dtype fp16 (both sides; the GradScaler turns on)"),
+    ("bf16-head32", ("bf16+head32", "bf16+head32"), "--lm-head fp32 (model.forward's head_dtype, vLLM's hf_overrides)"),
+    ("bf16-engine32", ("fp32", "bf16"), "--engine-dtype fp32 (the engine serves float32 master weights)"),
+    ("fp32", ("fp32", "fp32"), "--dtype fp32: what aligned kernels buy at best"),
+]
+
+def refuse(message):
+    print(f"error: {message}", file=sys.stderr)  # one line and exit 2, as train_grpo.py
+    sys.exit(2)
+
+def variant(args):
+    name = args["dtype"] + ("-head32" if args.get("lm_head") == "fp32" else "")
+    return name + (f"-engine{args['engine_dtype'][2:]}" if args.get("engine_dtype", args["dtype"]) != args["dtype"] else "")
+
+def mean_se(x):
+    x = np.asarray(x, dtype=float)
+    return float(x.mean()), float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else None
+
+def paired(a, b):
+    """a - b paired by seed: mean, s.e., 95 % t interval, and the exact two-sided sign-flip p-value
+    (under no effect each seed's difference is as likely + as -: all 2^n sign patterns)."""
+    d = np.asarray(a) - np.asarray(b)
+    m, se = mean_se(d)
+    flips = [abs((d * s).mean()) >= abs(m) - 1e-12 for s in itertools.product((1, -1), repeat=len(d))]
+    half = t_quantile(len(d) - 1) * se if se is not None else None
+    return {"n": len(d), "mean": m, "se": se, "ci95": [m - half, m + half] if half is not None else None,
+            "p_sign_flip": sum(flips) / len(flips)}
+
+def load_experiment(folder):
+    """{arm: {variant: [(seed, rows)]}} of every finished run (its last row has the held-out accuracy)."""
+    runs = {}
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(os.path.join(path, "args.json")):
+            continue
+        args, rows = json.load(open(os.path.join(path, "args.json"))), read_metrics(os.path.join(path, "metrics.jsonl"))
+        if len(rows) < args["steps"]:
+            continue  # unfinished
+        v = variant(args)
+        arm = name[:-len(f"-{v}-s{args['rl_seed']}")] if name.endswith(f"-{v}-s{args['rl_seed']}") else name
+        runs.setdefault(arm, {}).setdefault(v, []).append((args["rl_seed"], rows))
+    if not runs:
+        refuse(f"{folder} holds no finished run folder named ARM-VARIANT-sSEED")
+    return runs
+
+def experiment(args):
+    runs, out = load_experiment(args.path), {"arms": {}}
+    fig, axes = plt.subplots(len(runs), len(PANELS), figsize=(3.8 * len(PANELS), 3.1 * len(runs)), squeeze=False)
+    for row, (arm, by_variant) in enumerate(runs.items()):
+        cells = out["arms"][arm] = {}
+        for v in sorted(by_variant, key=lambda v: list(COLORS).index(v) if v in COLORS else 99):
+            seeds = sorted(by_variant[v])
+            cell = cells[v] = {"seeds": [s for s, _ in seeds], "n": len(seeds), "curves": {}}
+            cell["eval_after"] = [rows[-1]["eval_accuracy"] for _, rows in seeds]
+            cell["eval_before"] = [rows[0].get("eval_accuracy_before") for _, rows in seeds]
+            cell["reward_last10"] = [float(np.mean([r["reward_mean"] for r in rows[-10:]])) for _, rows in seeds]
+            for key in ("mismatch_logp_abs_mean", "clip_frac_pos", "clip_frac_neg", "clip_seq_frac", "is_weight_max",
+                        "time_step_s", "time_train_s", "rollout_tokens_per_s"):
+                per_seed = [np.mean([r[key] for r in rows if r.get(key) is not None]) for _, rows in seeds
+                            if any(r.get(key) is not None for r in rows)]
+                cell[key] = mean_se(per_seed)[0] if per_seed else None  # the mean over steps, then over seeds
+            for col, (key, label) in enumerate(PANELS):
+                curves = [{r["step"]: r[key] for r in rows if r.get(key) is not None} for _, rows in seeds]
+                steps = sorted(set.intersection(*(set(c) for c in curves)))
+                if not steps:
+                    continue
+                y = np.array([[c[t] for t in steps] for c in curves])
+                x = np.array(steps) + (1 if key == "eval_accuracy" else 0)  # evaluated after step s: s + 1 updates
+                se = y.std(0, ddof=1) / math.sqrt(len(y)) if len(y) > 1 else np.zeros(len(x))
+                cell["curves"][key] = {"x": x.tolist(), "mean": y.mean(0).tolist(), "se": se.tolist()}
+                ax = axes[row, col]
+                ax.plot(x, y.mean(0), "o-" if key == "eval_accuracy" else "-", ms=3, lw=1.5, color=COLORS.get(v), label=f"{v} (n={len(y)})")
+                ax.fill_between(x, y.mean(0) - se, y.mean(0) + se, color=COLORS.get(v), alpha=0.15, lw=0)
+                ax.set_title(f"{arm}: {label}", fontsize=9)
+                ax.set_yscale("log" if key == "mismatch_logp_abs_mean" else "linear")
+                ax.grid(alpha=0.3)
+        axes[row, 0].legend(fontsize=7)
+        print(f"\n{arm}: mean +- s.e. over seeds (ddof 1); paired by seed against bf16: mean [95 % CI], sign-flip p")
+        for v, cell in cells.items():
+            for key in ("reward_last10", "eval_after"):
+                m, se = mean_se(cell[key])
+                cell[key + "_mean"], cell[key + "_se"] = m, se
+                if v != "bf16" and "bf16" in cells:
+                    common = sorted(set(cell["seeds"]) & set(cells["bf16"]["seeds"]))
+                    pick = lambda c: [c[key][c["seeds"].index(s)] for s in common]  # noqa: E731
+                    cell[key + "_minus_bf16"] = paired(pick(cell), pick(cells["bf16"])) if len(common) > 1 else None
+            print(f"  {v:14} n={cell['n']} | last-10 reward {describe(cell, 'reward_last10')} | held-out after "
+                  f"{describe(cell, 'eval_after')} | clipped A>0 {fmt(cell['clip_frac_pos'], '.3f')} A<0 {fmt(cell['clip_frac_neg'], '.3f')} "
+                  f"| |log mu - log pi| {fmt(cell['mismatch_logp_abs_mean'], '.1e')}")
+    for ax in axes[-1]:
+        ax.set_xlabel("RL step")
+    fig.suptitle(args.title or "Mean over seeds (line) and its standard error (shade)")
+    save(fig, args.out, out)
+
+def describe(cell, key):
+    text = f"{cell[key + '_mean']:.4f} +- {fmt(cell[key + '_se'], '.4f')}"
+    d = cell.get(key + "_minus_bf16")
+    if d:
+        text += f" (vs bf16 {d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}] p={d['p_sign_flip']:.3f})"
+    return text
+
+def save(fig, out, data=None):
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out + ".tmp.png", dpi=100)
+    os.replace(out + ".tmp.png", out)  # never a half-written PNG
+    print(f"written {out}")
+    if data is not None:
+        write_atomic(os.path.splitext(out)[0] + ".json", json.dumps(data, indent=1))
+        print(f"written {os.path.splitext(out)[0]}.json")
+
+def load_json(path, experiment):
+    try:
+        result = json.load(open(path))
+        assert result.get("experiment", experiment) == experiment
+        return result
+    except (OSError, ValueError, AssertionError) as e:
+        refuse(f"{path} is not the JSON of `{experiment}` ({type(e).__name__})")
+
+def probe(args):
+    """The paper's picture: each sampled token's probability under the engine (mu) against the
+    trainer's (pi), same weights, same dtype on both sides; below, mu - pi on one scale."""
+    result = load_json(args.path, "mismatch")
+    tokens = {d: result["tokens"][d] for d in ("bf16", "fp16", "fp32")}
+    fig, axes = plt.subplots(2, 3, figsize=(13.5, 8.2))
+    lim = np.abs(np.exp(tokens["bf16"]["mu"]) - np.exp(tokens["bf16"]["pi"])).max() * 1.05
+    for col, (dtype, t) in enumerate(tokens.items()):
+        mu, pi = np.exp(t["mu"]), np.exp(t["pi"])
+        axes[0, col].scatter(pi, mu, s=2, alpha=0.3, color=COLORS[dtype], rasterized=True)
+        axes[0, col].plot([0, 1], [0, 1], color="k", lw=0.6)
+        axes[0, col].set(title=f"engine and trainer both {dtype}", xlabel="trainer probability pi", ylabel="engine probability mu")
+        axes[1, col].scatter(pi, mu - pi, s=2, alpha=0.3, color=COLORS[dtype], rasterized=True)
+        axes[1, col].set(xlabel="trainer probability pi", ylabel="mu - pi (one scale for all)", ylim=(-lim, lim))
+        print(f"{dtype}: {len(mu)} tokens, max |mu - pi| {np.abs(mu - pi).max():.2e}, mean {np.abs(mu - pi).mean():.2e}")
+    m = result["machine"]
+    fig.suptitle(f"Every sampled token, {result['sequences_per_engine']} responses per dtype ({m['gpu'] or m['cpu']}, {m['vllm']})")
+    save(fig, args.out)
+
+def fixes(args):
+    """The side-by-side table of the fixes: the mismatch each leaves, the RL result in each arm paired
+    against bf16, what it costs (engine sampling, trainer forward + backward), and how to adopt it."""
+    result, exp = load_json(args.path, "mismatch"), load_json(args.experiment_json, "experiment")
+    rows = {(r["engine"], r["trainer"]): r for r in result["rows"]}
+    speed, cost = result["engine_tokens_per_s"], result["trainer_fwd_bwd_s"]
+    engine_of = {"bf16": "bf16", "fp16": "fp16", "bf16-head32": "bf16+head32", "bf16-engine32": "fp32", "fp32": "fp32"}
+    trainer_of = {"bf16": "bf16", "fp16": "fp16", "bf16-head32": "bf16+head32", "bf16-engine32": "bf16", "fp32": "fp32"}
+    table, arms = [], [a for a in exp["arms"] if "bf16" in exp["arms"][a]]
+    print(f"{'fix':14} {'|log mu - log pi|':>17} " + " ".join(f"{a + ': reward vs bf16 [95% CI]':>40}" for a in arms)
+          + f" {'engine tok/s':>13} {'trainer':>8}  adopt")
+    for v, pair, how in FIXES:
+        entry = {"fix": v, "mismatch_logp_abs_mean": rows[pair]["mismatch_logp_abs_mean"], "adopt": how,
+                 "engine_speed_vs_bf16": speed[engine_of[v]] / speed["bf16"], "trainer_time_vs_bf16": cost[trainer_of[v]] / cost["bf16"],
+                 "rl": {a: exp["arms"][a].get(v, {}).get("reward_last10_minus_bf16") for a in arms}}
+        table.append(entry)
+        cells = [f"{d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}] n={d['n']}" if d else "-" for d in entry["rl"].values()]
+        print(f"{v:14} {entry['mismatch_logp_abs_mean']:>17.2e} " + " ".join(f"{c:>40}" for c in cells)
+              + f" {entry['engine_speed_vs_bf16']:>12.2f}x {entry['trainer_time_vs_bf16']:>7.2f}x  {how}")
+    fig, axes = plt.subplots(1, 1 + len(arms), figsize=(4.2 * (1 + len(arms)), 3.6), squeeze=False)
+    names = [e["fix"] for e in table]
+    axes[0, 0].barh(names, [e["mismatch_logp_abs_mean"] for e in table], color=[COLORS[n] for n in names])
+    axes[0, 0].set(xscale="log", title="mean |log mu - log pi| (offline probe)")
+    for ax, arm in zip(axes[0, 1:], arms):
+        for i, e in enumerate(table):
+            d = e["rl"][arm]
+            if d:
+                ax.errorbar(d["mean"], i, xerr=[[d["mean"] - d["ci95"][0]], [d["ci95"][1] - d["mean"]]], fmt="o", color=COLORS[e["fix"]])
+        ax.axvline(0, color="k", lw=0.6)
+        ax.set(yticks=range(len(names)), yticklabels=names, title=f"{arm}: last-10 reward - bf16's\n(paired by seed, 95 % CI)")
+    save(fig, args.out, {"fixes": table, "machine": result["machine"]})
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="the figures: experiment, probe, fixes (the module docstring)")
+    p.error = refuse
+    p.add_argument("figure", choices=["experiment", "probe", "fixes"])
+    p.add_argument("path", help="experiment: a folder of runs; probe, fixes: the JSON of `probe.py mismatch`")
+    p.add_argument("experiment_json", nargs="?", help="fixes: the JSON `plot.py experiment` wrote")
+    p.add_argument("--out", required=True, help="the PNG to write (and its JSON beside it)")
+    p.add_argument("--title", default=None)
+    args = p.parse_args(argv)
+    if (args.figure == "fixes") != bool(args.experiment_json):
+        refuse("fixes takes two JSON files (the probe's, the experiment's); experiment and probe take one path")
+    if args.figure == "experiment" and not os.path.isdir(args.path):
+        refuse(f"{args.path} is not a folder of runs")
+    {"experiment": experiment, "probe": probe, "fixes": fixes}[args.figure](args)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,355 @@
+"""
+experiments/probe.py: the offline experiments. No training: fixed weights (the warm start, or --init
+DIR, e.g. a finished run's hf/), the real engine in each dtype, the trainer beside it.
+
+    python experiments/probe.py mismatch --json runs/probe.json  # the paper's offline test, every fix's rows and cost
+    python experiments/probe.py scaler   --json runs/scaler.json # why an fp16 trainer needs the GradScaler
+    python experiments/probe.py audit    --json runs/audit.json  # the gradient-bias audit: the mismatch's bias
+                                                                 # on GRPO's gradient against the gradient's noise
+Every result records the machine it ran on: the engine's 16-bit kernels, and so the numbers, depend on it.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from the repository root
+import task  # noqa: E402
+import train_grpo as tg  # noqa: E402
+from model import hf_named_tensors, load_hf, token_logprobs  # noqa: E402
+from precision import INIT_SCALE, autocast, get_precision, machine, machine_line, mismatch_metrics  # noqa: E402
+from rollout import generate, start_engine, sync_weights  # noqa: E402
+
+# Each side's way of computing: a dtype, "+head32" for the fp32 LM head (--lm-head fp32), "-autocast"
+# for the gentler mixed precision (16-bit matmuls over float32 weights and residual stream).
+ENGINES = ("fp32", "bf16", "fp16", "bf16+head32", "fp16+head32")
+TRAINERS = ("fp32", "bf16", "fp16", "bf16-autocast", "fp16-autocast", "bf16+head32", "fp16+head32")
+DTYPES = ("fp32", "bf16", "fp16")
+
+def precision_of(mode, device):
+    return get_precision(mode.split("+")[0].split("-")[0], lm_head="fp32" if "+head32" in mode else "same", device=device)
+
+def trainer_logprobs(model, mode, idx, device):
+    if mode.endswith("autocast"):
+        with autocast(mode.split("-")[0], device):
+            return token_logprobs(model, idx)
+    return token_logprobs(precision_of(mode, device).forward(model), idx)
+
+def setup(args, engine=None):
+    """The weights, and mode -> an engine serving them (`engine`: the tests' shared engines). Every
+    engine stays referenced to the end: destroying an in-process vLLM engine tears down process-wide
+    state the others still use."""
+    device = get_precision("fp32").device
+    cfg = tg.model_config(args.n_items, args.max_new_tokens)
+    ckpt = args.init or tg.warm_start(cfg, args.n_items, args.seed, device)
+    model, engines = load_hf(ckpt, device).eval(), {}
+
+    def get_engine(mode):
+        prec = precision_of(mode, device)
+        if mode not in engines:
+            engines[mode] = engine(prec.vllm_dtype, prec.head_fp32) if engine else start_engine(
+                ckpt, prec.vllm_dtype, args.seed, cfg.max_seq_len, prec.head_fp32)
+        sync_weights(engines[mode], hf_named_tensors(model), prec.engine_dtype)
+        return engines[mode]
+    return ckpt, model, device, get_engine
+
+def sample(llm, prompts, args, seed, device):
+    """The engine samples --group-size responses per prompt under `seed`; (samples, idx, mask, mu, seconds)."""
+    torch.manual_seed(seed)  # the in-process engine samples from the global generator: same numbers per engine
+    t0 = time.perf_counter()
+    samples = generate(llm, prompts, args.group_size, args.max_new_tokens, task.EOS_ID)
+    seconds = time.perf_counter() - t0
+    idx, mask, mu = tg.pack([s.prompt_ids for s in samples], [s.response_ids for s in samples], device,
+                            [s.logprobs for s in samples])
+    return samples, idx, mask, mu, seconds
+
+def batch_of(args, key, llm, seed, train_batch, device):
+    """One GRPO batch from the engine: (idx, mask, mu, advantages)."""
+    problems = train_batch(key, args.batch_size)
+    samples, idx, mask, mu, _ = sample(llm, [task.prompt_ids(p) for p, _ in problems], args, seed, device)
+    answers = [a for _, a in problems for _ in range(args.group_size)]
+    rewards = torch.tensor([task.reward(s.response_ids, a) for s, a in zip(samples, answers)])
+    return idx, mask, mu, tg.group_advantages(rewards, args.group_size).to(device)
+
+# ---------------------------------------------------------------------------------------------------
+# 1. The mismatch, and what each fix costs
+
+def mismatch(args, engine=None):
+    """Each engine samples --group-size responses to every held-out prompt under one seed (timed the
+    second time: the first warms it up); the trainer scores the same tokens in each way. Matched rows
+    are what a run sees; rows against fp32 show whose rounding it is. Then each trainer mode's forward
+    + backward on the bf16 engine's tokens, timed (median of 3): what the trainer pays."""
+    ckpt, model, device, get_engine = setup(args, engine)
+    prompts = [task.prompt_ids(p) for p, _ in task.make_splits(args.seed, args.n_items, tg.N_EVAL)[0]]
+    rows, tokens, speed, cost = [], {}, {}, {}
+    for eng in ENGINES:
+        sample(get_engine(eng), prompts, args, args.seed, device)
+        _, idx, mask, mu, seconds = sample(get_engine(eng), prompts, args, args.seed, device)
+        speed[eng] = mask.sum().item() / seconds
+        trainers = TRAINERS[:5] if eng in DTYPES else (eng, "fp32")
+        for tr in trainers:
+            with torch.no_grad():
+                pi = trainer_logprobs(model, tr, idx, device)
+            rows.append({"engine": eng, "trainer": tr, **mismatch_metrics(mu, pi, mask)})
+            if tr == eng:  # every sampled token's (mu, pi), for the scatter figure
+                tokens[eng] = {"mu": mu[mask.bool()].tolist(), "pi": pi[mask.bool()].tolist()}
+        if eng == "bf16":
+            for tr in ("fp32", "bf16", "fp16", "bf16+head32", "fp16+head32"):
+                cost[tr] = sorted(time_fwd_bwd(model, tr, idx, device) for _ in range(3))[1]
+    matched = {r["engine"]: r for r in rows if r["engine"] == r["trainer"]}
+    # k1 is signed (its errors cancel), so a ratio of it means nothing; every other metric is >= 0.
+    ratio = {k: matched["bf16"][k] / matched["fp16"][k] for k in matched["fp16"] if k.startswith("mismatch_") and k != "mismatch_k1"}
+    result = {"experiment": "mismatch", "checkpoint": ckpt, "machine": machine(), "sequences_per_engine": len(prompts) * args.group_size,
+              "rows": rows, "bf16_over_fp16": ratio, "engine_tokens_per_s": speed,
+              "trainer_fwd_bwd_s": cost, "tokens": tokens}
+    keys = [k for k in rows[0] if k.startswith("mismatch_")]
+    print(f"\nmismatch between engine (mu) and trainer (pi) on {ckpt}, {result['sequences_per_engine']} responses"
+          f" per engine\n{machine_line(result['machine'])}\n\n{'engine':12} {'trainer':14} " + " ".join(f"{k[9:]:>17}" for k in keys))
+    for r in rows:
+        print(f"{r['engine']:12} {r['trainer']:14} " + " ".join(f"{r[k]:>17.3e}" for k in keys))
+    print(f"{'bf16 / fp16, matched':27} " + " ".join(f"{ratio[k]:>17.1f}" if k in ratio else f"{'-':>17}" for k in keys))
+    print("\nthe cost: engine sampling, tokens/s (and against bf16); trainer forward + backward on the bf16 engine's tokens")
+    for eng in ENGINES:
+        print(f"engine  {eng:12} {speed[eng]:>9.0f} tokens/s  {speed[eng] / speed['bf16']:5.2f}x")
+    for tr, seconds in cost.items():
+        print(f"trainer {tr:12} {seconds:>9.2f} s         {seconds / cost['bf16']:5.2f}x")
+    return result
+
+def time_fwd_bwd(model, mode, idx, device):
+    t0 = time.perf_counter()
+    trainer_logprobs(model, mode, idx, device).mean().backward()
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+# ---------------------------------------------------------------------------------------------------
+# 2. The GradScaler at work
+
+def flat_grad(model, loss):
+    """The gradient of `loss` in the float32 master weights, as one vector."""
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
+
+def scaler(args, engine=None):
+    """One real GRPO batch of the warm start (the fp16 engine's samples and advantages): its policy
+    gradient from the 16-bit trainer at several loss scales, against float32's. Unscaled, fp16's
+    backward flushes most tiny entries of the logits' gradient (a token mean over ~12,000 tokens) to
+    zero or a subnormal; 2**16 keeps more of them, and loses almost none of the weight gradient;
+    2**24 overflows to inf."""
+    ckpt, model, device, get_engine = setup(args, engine)
+    train_batch = task.make_splits(args.seed, args.n_items, tg.N_EVAL)[1]
+    idx, mask, mu, adv = batch_of(args, f"{args.rl_seed}-0", get_engine("fp16"), args.seed, train_batch, device)
+    seq_weight, denom = tg.loss_normaliser(mask, "grpo", False, args.max_new_tokens)
+
+    def grad(name, scale):
+        """(the logits' gradient as the backward's first 16-bit tensor holds it, still scaled; the
+        weights' gradient, unscaled in float32 as GradScaler.unscale_ does)."""
+        forward, seen = get_precision(name, device=device).forward(model), {}
+
+        def forward_keeping_logit_grad(x):
+            logits = forward(x)
+            logits.register_hook(lambda g: seen.update(logits=g))  # returns None: g goes on unchanged
+            return logits
+        logp = token_logprobs(forward_keeping_logit_grad, idx)
+        loss = tg.grpo_loss(logp, logp.detach(), mu, adv, mask, seq_weight, denom)[0]  # ratio 1: the plain policy gradient
+        g = flat_grad(model, loss * scale) / scale  # the backward fills seen["logits"]
+        return seen["logits"], g
+
+    def underflow(g, exact):
+        """Of the entries non-zero in float32: the share stored as 0, and as 0 or a subnormal number."""
+        n = max(1, (exact != 0).sum().item())
+        return (((g == 0) & (exact != 0)).sum().item() / n, ((g.abs() < torch.finfo(g.dtype).tiny) & (exact != 0)).sum().item() / n)
+
+    exact_logits, exact = grad("fp32", 1.0)
+    rows = []
+    for name, scale in [("bf16", 1.0), ("fp16", 1.0), ("fp16", 2.0 ** 8), ("fp16", INIT_SCALE), ("fp16", 2.0 ** 24)]:
+        g_logits, g = grad(name, scale)
+        zero, sub = underflow(g_logits, exact_logits)
+        finite = bool(torch.isfinite(g).all())
+        rows.append({"dtype": name, "loss_scale": scale, "finite": finite, "logit_grad_zero": zero, "logit_grad_underflow": sub,
+                     "weight_grad_zero": underflow(g, exact)[0], "rel_error": ((g - exact).norm() / exact.norm()).item() if finite else None})
+    result = {"experiment": "scaler", "checkpoint": ckpt, "machine": machine(), "sequences": len(adv), "tokens": int(mask.sum()), "rows": rows}
+    print(f"\nthe policy gradient of one GRPO batch ({len(adv)} sequences, {result['tokens']} tokens) on {ckpt}\n"
+          f"{machine_line(result['machine'])}\nagainst float32's; of the entries non-zero there, the share stored as 0 (or as 0"
+          f" or a subnormal)\n\n{'trainer':8} {'scale':>9} {'logit grad 0':>13} {'0 or subn.':>11} {'weight grad 0':>14} {'rel. error':>11}")
+    for r in rows:
+        err = f"{r['rel_error']:>11.2e}" if r["finite"] else f"{'overflow':>11}"
+        print(f"{r['dtype']:8} {r['loss_scale']:>9.0f} {r['logit_grad_zero']:>13.1%} {r['logit_grad_underflow']:>11.1%} "
+              f"{r['weight_grad_zero']:>14.2%} {err}")
+    return result
+
+# ---------------------------------------------------------------------------------------------------
+# 3. The gradient-bias audit
+
+PI_BUCKETS = (0.0, 0.01, 0.1, 0.5, 0.9, 1.0)  # the trainer's probability of the sampled token
+
+def audit_losses(logp, pi_logp, mu_logp, adv, mask, n_tokens):
+    """On samples from the engine (mu): GRPO's objective J = sum_i A_i sum_t log pi(y_it) / N_tokens,
+    and the mismatch's part of it, J_bias = sum_i (1 - w_i) A_i sum_t log pi(y_it) / N_tokens, with
+    w_i = prod_t pi / mu sequence i's importance weight (detached). grad J - grad J_bias, each sequence
+    weighted by w_i, is unbiased for pi: d = grad J_bias is the bias on these samples. Returns (J, J_bias, w)."""
+    w = torch.exp(((pi_logp - mu_logp) * mask).sum(1)).detach()
+    per_seq = (logp * mask).sum(1)
+    return (adv * per_seq).sum() / n_tokens, ((1 - w) * adv * per_seq).sum() / n_tokens, w
+
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)  # Student's t, dof 1 to 10
+
+def t_quantile(dof, z=1.959964):
+    """Student's t 0.975 quantile: the table to 10 degrees of freedom, then Cornish-Fisher (within 0.003)."""
+    return T975[dof - 1] if dof <= 10 else z + (z ** 3 + z) / (4 * dof) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * dof ** 2)
+
+def bias_statistics(G_dd, G_gg, G_dg):
+    """From the K x K Gram matrices of the per-batch bias vectors d_k and gradients g_k (G_dg[j, k] =
+    d_j . g_k), each statistic as an unbiased pairwise estimate over distinct batches (so no batch's
+    noise is counted against itself):
+      b2        |E d|^2 = mean over j != k of d_j . d_k    (may come out < 0: then |b| is not resolved)
+      eg2       |E g|^2, the same for g
+      sigma2    tr Cov g, one step's noise in all directions
+      b_dot_eg  E d . E g = mean over j != k of d_j . g_k  (d and g of one batch share its noise)
+      noise_along_b  Var(g . b_hat), b_hat from the even batches, the variance over the odd ones, and
+                     the other way round (averaged): the noise in the one direction the bias pushes."""
+    K = G_dd.shape[0]
+    off = ~torch.eye(K, dtype=torch.bool)
+    pair = lambda G: G[off].mean().item()  # noqa: E731
+    sigma2 = (G_gg.trace() - G_gg.sum() / K).item() / (K - 1)
+    along = []
+    for a, b in ((torch.arange(0, K, 2), torch.arange(1, K, 2)), (torch.arange(1, K, 2), torch.arange(0, K, 2))):
+        d_a = G_dd[a][:, a].sum().sqrt()  # |sum of d over half a|
+        proj = G_dg[a][:, b].sum(0) / d_a  # g_k . b_hat for each k in half b
+        along.append(proj.var().item())
+    return {"b2": pair(G_dd), "eg2": pair(G_gg), "sigma2": sigma2, "b_dot_eg": pair(G_dg), "noise_along_b": sum(along) / 2}
+
+def derived(s):
+    """The audit's figures from bias_statistics: |b|, |b| / sigma, cos(b, E g), and the steps after
+    which a bias that kept its direction would match the accumulated noise: (sigma / |b|)^2 sets it
+    against the noise of all ~0.9M directions, an upper bound; noise_along_b / |b|^2 against the noise
+    along the bias alone."""
+    b = math.sqrt(s["b2"]) if s["b2"] > 0 else 0.0
+    return {"bias_norm": b, "bias_over_noise": b / math.sqrt(s["sigma2"]), "grad_mean_norm": math.sqrt(max(s["eg2"], 0)),
+            "cos_bias_grad": s["b_dot_eg"] / (b * math.sqrt(s["eg2"])) if b and s["eg2"] > 0 else None,
+            "steps_upper": s["sigma2"] / s["b2"] if s["b2"] > 0 else None,
+            "steps_along": s["noise_along_b"] / s["b2"] if s["b2"] > 0 else None}
+
+def jackknife(G_dd, G_gg, G_dg):
+    """Each figure with a 95 % interval: the jackknife over batches (leave one out, K times) of the raw
+    statistics, t-quantile with K - 1 degrees of freedom; figures then follow from the interval's ends."""
+    K = G_dd.shape[0]
+    full = bias_statistics(G_dd, G_gg, G_dg)
+    leave = [bias_statistics(*(G[keep][:, keep] for G in (G_dd, G_gg, G_dg)))
+             for keep in (torch.arange(K) != i for i in range(K))]
+    ci = {}
+    for k in full:
+        values = torch.tensor([s[k] for s in leave], dtype=torch.float64)
+        se = math.sqrt((K - 1) / K * ((values - values.mean()) ** 2).sum().item())
+        ci[k] = (full[k] - t_quantile(K - 1) * se, full[k] + t_quantile(K - 1) * se)
+    b_lo, b_hi = (math.sqrt(max(x, 0.0)) for x in ci["b2"])
+    out = {**full, **derived(full), "b2_ci": ci["b2"], "bias_norm_ci": (b_lo, b_hi), "resolved": ci["b2"][0] > 0,
+           "bias_over_noise_ci": (b_lo / math.sqrt(ci["sigma2"][1]), b_hi / math.sqrt(max(ci["sigma2"][0], 1e-300)))}
+    if out["resolved"]:  # more bias -> fewer steps: the interval's ends swap
+        out["steps_upper_ci"] = (ci["sigma2"][0] / ci["b2"][1], ci["sigma2"][1] / ci["b2"][0])
+        out["steps_along_ci"] = (ci["noise_along_b"][0] / ci["b2"][1], ci["noise_along_b"][1] / ci["b2"][0])
+    return out
+
+def audit(args, engine=None):
+    """For each dtype (engine and trainer in it), --batches independent batches of the engine's samples:
+    g (GRPO's gradient) and d (its bias, audit_losses) per batch, through the float32 forward at the same
+    weights, so d holds the mismatch alone (where the samples came from, and how pi weighs them), not
+    the 16-bit backward's rounding (`scaler` measures that). The K vectors of each kind are kept, and
+    their Gram matrices give every figure and its interval (bias_statistics, jackknife)."""
+    ckpt, model, device, get_engine = setup(args, engine)
+    train_batch = task.make_splits(args.seed, args.n_items, tg.N_EVAL)[1]
+    params = list(model.parameters())
+    rows, buckets = [], []
+    for name in DTYPES:
+        prec, llm = get_precision(name, device=device), get_engine(name)
+        gs, ds, pis, diffs, k3, dev = [], [], [], [], [], []
+        for k in range(args.batches):  # the same prompts and random numbers for every dtype
+            seed = tg.stream_seed(args.rl_seed, tg.AUDIT_STREAM, k)
+            idx, mask, mu, adv = batch_of(args, f"{args.rl_seed}-audit-{k}", llm, seed, train_batch, device)
+            with torch.no_grad():
+                pi = token_logprobs(prec.forward(model), idx)  # the trainer's pi, in the run's dtype
+            J, J_bias, w = audit_losses(token_logprobs(model, idx), pi, mu, adv, mask, mask.sum())
+            gs.append(torch.cat([x.flatten() for x in torch.autograd.grad(J, params, retain_graph=True)]).double())
+            ds.append(torch.cat([x.flatten() for x in torch.autograd.grad(J_bias, params)]).double())
+            dev.append((w - 1).abs().mean().item())
+            metrics = mismatch_metrics(mu, pi, mask)
+            k3.append((metrics["mismatch_k3"], metrics["mismatch_logp_abs_mean"]))
+            pis.append(pi[mask.bool()].exp())
+            diffs.append((mu - pi)[mask.bool()].double())
+        G, D = torch.stack(gs), torch.stack(ds)  # float64 Gram matrices: the pairwise products are small differences
+        stats = jackknife(D @ D.T, G @ G.T, D @ G.T)
+        rows.append({"dtype": name, "batches": args.batches, **stats, "seq_weight_abs_dev": sum(dev) / len(dev),
+                     "mismatch_k3": sum(x for x, _ in k3) / len(k3), "mismatch_logp_abs_mean": sum(y for _, y in k3) / len(k3)})
+        pi_all, d_all = torch.cat(pis), torch.cat(diffs)
+        for lo, hi in zip(PI_BUCKETS[:-1], PI_BUCKETS[1:]):
+            sel = (pi_all >= lo) & ((pi_all < hi) if hi < 1 else True)
+            n = int(sel.sum())
+            buckets.append({"dtype": name, "pi": f"{lo}-{hi}", "tokens": n, "mean_signed": d_all[sel].mean().item() if n else None,
+                            "signed_se": (d_all[sel].std() / math.sqrt(n)).item() if n > 1 else None,
+                            "mean_abs": d_all[sel].abs().mean().item() if n else None})
+    result = {"experiment": "audit", "checkpoint": ckpt, "machine": machine(), "response_tokens": args.max_new_tokens,
+              "sequences_per_batch": args.batch_size * args.group_size, "rows": rows, "by_pi": buckets}
+    print_audit(result)
+    return result
+
+def fmt(x, spec=".1e"):
+    return "-" if x is None else format(x, spec)
+
+def print_audit(result):
+    print(f"\ngradient-bias audit on {result['checkpoint']}: {result['rows'][0]['batches']} batches x "
+          f"{result['sequences_per_batch']} sequences per dtype\n{machine_line(result['machine'])}\n95 % jackknife "
+          f"intervals over batches; a bias is resolved when the interval of |b|^2 excludes 0\n")
+    ci = lambda r, k: f"[{fmt(r[k][0])}, {fmt(r[k][1])}]" if k in r else "-"  # noqa: E731
+    print(f"{'dtype':5} {'|b|':>7} {'[95% CI]':>19} {'sigma':>6} {'|b|/sigma':>9} {'[95% CI]':>19} {'cos(b,Eg)':>9} "
+          f"{'steps (upper)':>13} {'[95% CI]':>19} {'steps (along b)':>15} {'[95% CI]':>19} {'|log mu-log pi|':>15}")
+    for r in result["rows"]:
+        print(f"{r['dtype']:5} {r['bias_norm']:>7.1e} {ci(r, 'bias_norm_ci'):>19} {math.sqrt(r['sigma2']):>6.3f} "
+              f"{r['bias_over_noise']:>9.1e} {ci(r, 'bias_over_noise_ci'):>19} {fmt(r['cos_bias_grad'], '+.2f'):>9} "
+              f"{fmt(r['steps_upper']):>13} {ci(r, 'steps_upper_ci'):>19} {fmt(r['steps_along']):>15} "
+              f"{ci(r, 'steps_along_ci'):>19} {r['mismatch_logp_abs_mean']:>15.2e}")
+    print("\nper token, by the trainer's probability pi: tokens, mean (log mu - log pi), its s.e.s, mean |log mu - log pi|")
+    for bucket in dict.fromkeys(b["pi"] for b in result["by_pi"]):
+        print(f"{bucket:9} " + " ".join(f"{c['dtype']} {c['tokens']:>7} {fmt(c['mean_signed'], '+.2e'):>10} "
+                                         f"{fmt(c['mean_signed'] / c['signed_se'] if c['signed_se'] else None, '+.1f'):>5} "
+                                         f"{fmt(c['mean_abs'], '.2e'):>9} |" for c in result["by_pi"] if c["pi"] == bucket))
+
+# ---------------------------------------------------------------------------------------------------
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description="the offline experiments: mismatch, scaler, audit (the gradient-bias audit)",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.error = lambda message: p.exit(2, f"error: {message}\n")  # one line, exit 2
+    p.add_argument("experiment", choices=["mismatch", "scaler", "audit"], help="which experiment (the docstring)")
+    p.add_argument("--init", default=None, help="the weights: a checkpoint folder (default: the warm start)")
+    p.add_argument("--seed", type=int, default=0, help="the task's splits and warm start, and the engine's sampling")
+    p.add_argument("--rl-seed", type=int, default=0, help="scaler, audit: the batches' prompts and sampling")
+    p.add_argument("--n-items", type=tg.bounded(int, 1), default=12, help="digits to sort: the response is 2*n tokens")
+    p.add_argument("--group-size", type=tg.bounded(int, 2), default=8, help="samples per prompt")
+    p.add_argument("--batch-size", type=tg.bounded(int, 1), default=64, help="scaler, audit: prompts per batch")
+    p.add_argument("--batches", type=tg.bounded(int, 4), default=20, help="audit: independent batches (K) per dtype")
+    p.add_argument("--json", default=None, help="also write the results to this file")
+    args = p.parse_args(argv)
+    args.max_new_tokens = 2 * args.n_items + 8
+    if args.init:
+        try:
+            load_hf(args.init)
+        except ValueError as e:
+            p.error(f"--init: {e}")
+    if args.json and not os.access(os.path.dirname(os.path.abspath(args.json)) or ".", os.W_OK):
+        p.error(f"--json {args.json}: its folder does not exist or cannot be written")
+    return args
+
+def main(argv=None, engine=None):
+    args = get_args(argv)
+    result = {"mismatch": mismatch, "scaler": scaler, "audit": audit}[args.experiment](args, engine)
+    if args.json:
+        tg.write_atomic(args.json, json.dumps(result, indent=1))
+        print(f"\nwritten to {args.json}")
+    return result
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The offline experiments on the real engines: the mismatch probe with the fixes' rows, the GradScaler
+ablation, the gradient-bias audit and its statistics by hand."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from experiments import plot, probe
+
+MASK = torch.tensor([[1., 1., 1.], [1., 1., 0.]])
+ADV = torch.tensor([1.0, -1.0])
+
+
+def probe_argv(experiment, *extra):
+    return [experiment, "--group-size", "4", *extra]
+
+
+def test_offline_probe_with_the_fixes_rows(engine, warm_dir, monkeypatch):
+    """Every engine x trainer pair on the (tiny) warm start, on 32 held-out prompts: the matched 16-bit
+    rows order as the formats' precision says; the fp32 LM head, on both sides, brings bf16 closer."""
+    out = os.path.join(warm_dir, "probe.json")
+    probe.main(probe_argv("mismatch", "--json", out), engine)
+    result = json.load(open(out))
+    rows = {(r["engine"], r["trainer"]): r for r in result["rows"]}
+    assert len(rows) == 15 + 4 and result["sequences_per_engine"] == 32 * 4 and result["machine"]["torch"]
+    k3 = {pair: r["mismatch_k3"] for pair, r in rows.items()}
+    assert k3[("fp32", "fp32")] * 100 <= k3[("fp16", "fp16")] < k3[("bf16", "bf16")], k3
+    assert k3[("bf16", "fp32")] > k3[("fp16", "fp32")] > k3[("fp32", "fp32")], k3  # engine-side rounding alone
+    assert k3[("bf16+head32", "bf16+head32")] < k3[("bf16", "bf16")], k3
+    assert result["bf16_over_fp16"]["mismatch_k3"] == k3[("bf16", "bf16")] / k3[("fp16", "fp16")]
+    assert set(result["engine_tokens_per_s"]) == set(probe.ENGINES) and all(v > 0 for v in result["engine_tokens_per_s"].values())
+    assert result["trainer_fwd_bwd_s"]["bf16"] > 0
+    png = os.path.join(warm_dir, "probe.png")
+    plot.main(["probe", out, "--out", png])
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_fp16_backward_loses_gradient_to_underflow_without_loss_scaling(engine, varied_reward):
+    """A real fp16 backward through the 16-bit trainer, one GRPO batch: unscaled, most entries of the
+    logits' gradient underflow (0 or subnormal); at the GradScaler's initial scale far fewer do, and the
+    weights' gradient is closer to float32's; 2**24 overflows."""
+    from precision import INIT_SCALE
+    result = probe.main(probe_argv("scaler", "--batch-size", "16"), engine)
+    rows = {(r["dtype"], r["loss_scale"]): r for r in result["rows"]}
+    plain, scaled = rows[("fp16", 1.0)], rows[("fp16", INIT_SCALE)]
+    assert plain["logit_grad_underflow"] > 0.5 and scaled["logit_grad_underflow"] < plain["logit_grad_underflow"] / 10, rows
+    assert scaled["logit_grad_zero"] <= plain["logit_grad_zero"] and scaled["weight_grad_zero"] <= plain["weight_grad_zero"]
+    assert scaled["rel_error"] < plain["rel_error"], rows
+    assert not rows[("fp16", 2.0 ** 24)]["finite"] and rows[("bf16", 1.0)]["finite"]
+
+
+def test_audit_bias_gradient_equals_the_direct_formula():
+    """d = grad J - grad J_IS = grad of sum_i (1 - w_i) A_i sum_t log pi / N, w_i = prod_t pi / mu."""
+    logp = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.4, 0.4, 0.9]])).requires_grad_()
+    mu = logp.detach() - torch.tensor([[1.5, 1.0, 1.0], [0.5, 1.0, 3.0]]).log()  # pi / mu per token
+    J, J_bias, w = probe.audit_losses(logp, logp.detach(), mu, ADV, MASK, MASK.sum())
+    assert torch.allclose(w, torch.tensor([1.5, 0.5]))  # the padding token's 3.0 is not counted
+    g = torch.autograd.grad(J, logp, retain_graph=True)[0]
+    d = torch.autograd.grad(J_bias, logp)[0]
+    assert torch.allclose(d, torch.tensor([[-0.5, -0.5, -0.5], [-0.5, -0.5, 0.]]) / 5)
+    g_is = torch.autograd.grad(((w * ADV) * (logp * MASK).sum(1)).sum() / 5, logp)[0]
+    assert torch.allclose(g - g_is, d)
+
+
+def test_bias_statistics_by_hand():
+    """Pairwise (U-statistic) estimates from Gram matrices: unbiased where |mean d|^2 is not, and the
+    cross term E d . E g uses d and g of different batches only."""
+    d = torch.tensor([[1., 0.], [3., 0.], [0., 2.], [0., -2.]], dtype=torch.float64)  # K = 4 batches, 2 weights
+    g = torch.tensor([[1., 1.], [1., -1.], [2., 0.], [0., 2.]], dtype=torch.float64)
+    s = probe.bias_statistics(d @ d.T, g @ g.T, d @ g.T)
+    pairs = [(j, k) for j in range(4) for k in range(4) if j != k]
+    assert s["b2"] == pytest.approx(sum((d[j] @ d[k]).item() for j, k in pairs) / 12)
+    assert s["b_dot_eg"] == pytest.approx(sum((d[j] @ g[k]).item() for j, k in pairs) / 12)
+    assert s["sigma2"] == pytest.approx(((g - g.mean(0)) ** 2).sum().item() / 3)
+    # noise along b: b_hat from batches 0, 2 is (1, 2)/sqrt 5; g . b_hat over batches 1, 3: -1/sqrt5, 4/sqrt5
+    even_odd = torch.tensor([-1 / math.sqrt(5), 4 / math.sqrt(5)]).var().item()
+    odd_even = torch.tensor([1 / math.sqrt(13), 6 / math.sqrt(13)]).var().item()  # b_hat (3, -2)/sqrt13; g 0 and 2
+    assert s["noise_along_b"] == pytest.approx((even_odd + odd_even) / 2)
+    assert probe.t_quantile(19) == pytest.approx(2.093, abs=1e-3) and probe.t_quantile(11) == pytest.approx(2.201, abs=3e-3)
+    assert probe.t_quantile(2) == 4.303
+
+
+def test_audit_orders_the_dtypes_and_reports_intervals(engine, varied_reward):
+    result = probe.main(probe_argv("audit", "--batches", "4", "--batch-size", "8"), engine)
+    rows = {r["dtype"]: r for r in result["rows"]}
+    for r in rows.values():
+        assert r["sigma2"] > 0 and r["b2_ci"][0] <= r["b2"] <= r["b2_ci"][1]
+        assert r["resolved"] == (r["b2_ci"][0] > 0)
+    assert rows["bf16"]["mismatch_logp_abs_mean"] > rows["fp16"]["mismatch_logp_abs_mean"] > rows["fp32"]["mismatch_logp_abs_mean"]
+    assert not rows["fp32"]["resolved"] or rows["fp32"]["bias_norm"] < 1e-4 * math.sqrt(rows["fp32"]["sigma2"])
+    assert {b["pi"] for b in result["by_pi"]} == {"0.0-0.01", "0.01-0.1", "0.1-0.5", "0.5-0.9", "0.9-1.0"}
