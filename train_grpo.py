@@ -115,6 +115,8 @@ def grpo_loss(logp, old_logp, mu_logp, adv, mask, seq_weight, denom, algorithm="
         elif algorithm == "seq-mis":
             w = torch.exp(((pi_logp - mu_logp) * mask).sum(1, keepdim=True))
             per_token = per_token * torch.where(w > cap, torch.zeros_like(w), w)
+    # float32 throughout: logp comes from token_logprobs' float32 log_softmax, whatever the trainer's
+    # dtype, so the loss's sum over ~12,000 tokens carries float32's rounding, not the 16-bit one.
     return (per_token * mask * seq_weight).sum() / denom, ratio, w
 
 def loss_stats(ratio, is_weight, adv, mask, algorithm, cap):

@@ -3,19 +3,17 @@ experiments/formats.py: the three formats side by side, and why 3 mantissa bits 
 
     python experiments/formats.py
 
-Prints each format's bits, epsilon and range; how a sequence log-prob drifts when each token's
-log-prob is rounded to the format (the log of the sequence-level importance weight); and the
-trainer's forward + backward time in each dtype on this machine.
+Prints each format's bits, epsilon and range, and how a sequence log-prob drifts when each token's
+log-prob is rounded to the format (the log of the sequence-level importance weight). What each
+dtype costs the trainer and the engine is measured by `probe.py mismatch`.
 """
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from model import GPT, GPTConfig, token_logprobs  # noqa: E402
-from precision import TORCH_DTYPE, get_precision, machine, machine_line  # noqa: E402
+from precision import TORCH_DTYPE  # noqa: E402
 
 print(f"{'dtype':6} {'mantissa':>8} {'exponent':>8} {'epsilon':>10} {'largest':>10} {'smallest normal':>16}")
 for name, dt in TORCH_DTYPE.items():
@@ -31,16 +29,3 @@ for T in (16, 64, 256, 1024, 4096):
     errs = {n: (logps.to(dt).double().sum(1) - logps.sum(1)).abs().mean().item() for n, dt in TORCH_DTYPE.items()}
     print(f"{T:>6} " + " ".join(f"{e:>10.2e}" for e in errs.values()) + f" {errs['bf16'] / errs['fp16']:>10.1f}")
 print("\nThe error grows like sqrt(T), and bf16's is about 2**3 times fp16's: 3 fewer mantissa bits.")
-
-torch.manual_seed(0)
-model, idx = GPT(GPTConfig()), torch.randint(0, 256, (512, 40), generator=g)
-print(f"\nTrainer forward + backward, 512 sequences x 40 tokens ({machine_line(machine())}), median of 5:")
-ms = {}
-for name in TORCH_DTYPE:
-    forward, times = get_precision(name, device="cpu").forward(model), []
-    for _ in range(6):  # the first call warms up
-        t0 = time.perf_counter()
-        token_logprobs(forward, idx).mean().backward()
-        times.append(time.perf_counter() - t0)
-    ms[name] = sorted(times[1:])[2] * 1e3
-    print(f"{name:6} {ms[name]:8.1f} ms  {ms[name] / ms['fp32']:6.2f}x float32")

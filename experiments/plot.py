@@ -5,11 +5,10 @@ experiments/plot.py: the figures and tables, each drawn from files a command wro
     python experiments/plot.py probe runs/probe.json --out figures/probe.png       # each token's mu against pi
     python experiments/plot.py fixes figures/probe.json figures/experiment.json --out figures/fixes.png
 
-experiment: run folders named ARM-VARIANT-sSEED (VARIANT: fp16, bf16, fp32, bf16-head32 for --lm-head
-fp32, bf16-engine32 for --engine-dtype fp32), each with args.json and metrics.jsonl. Per arm and
-variant: n, mean and standard error (ddof 1) over seeds; each variant's difference from bf16 paired
-by seed (same prompts, same random numbers), with a 95 % t interval and an exact sign-flip test.
-It writes the numbers it draws to a JSON beside the PNG.
+experiment: run folders ARM-VARIANT-sSEED (VARIANT: fp16, bf16, fp32, bf16-head32 = --lm-head fp32,
+bf16-engine32 = --engine-dtype fp32). Per arm and variant: n, mean and standard error (ddof 1) over
+seeds, and the difference from bf16 paired by seed (same prompts and random numbers) with a 95 % t
+interval and an exact sign-flip test. The numbers drawn go to a JSON beside the PNG.
 """
 import argparse
 import itertools
@@ -48,7 +47,7 @@ def variant(args):
     name = args["dtype"] + ("-head32" if args.get("lm_head") == "fp32" else "")
     return name + (f"-engine{args['engine_dtype'][2:]}" if args.get("engine_dtype", args["dtype"]) != args["dtype"] else "")
 
-def mean_se(x):
+def mean_se(x):  # the mean and its standard error (ddof 1; None for one value)
     x = np.asarray(x, dtype=float)
     return float(x.mean()), float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else None
 
@@ -125,7 +124,7 @@ def experiment(args):
                   f"| |log mu - log pi| {fmt(cell['mismatch_logp_abs_mean'], '.1e')}")
     for ax in axes[-1]:
         ax.set_xlabel("RL step")
-    fig.suptitle(args.title or "Mean over seeds (line) and its standard error (shade)")
+    fig.suptitle("Mean over seeds (line) and its standard error (shade)")
     save(fig, args.out, out)
 
 def describe(cell, key):
@@ -140,18 +139,16 @@ def save(fig, out, data=None):
     fig.tight_layout()
     fig.savefig(out + ".tmp.png", dpi=100)
     os.replace(out + ".tmp.png", out)  # never a half-written PNG
-    print(f"written {out}")
     if data is not None:
         write_atomic(os.path.splitext(out)[0] + ".json", json.dumps(data, indent=1))
-        print(f"written {os.path.splitext(out)[0]}.json")
+    print(f"written {out}" + (f" and {os.path.splitext(out)[0]}.json" if data is not None else ""))
 
 def load_json(path, experiment):
     try:
         result = json.load(open(path))
-        assert result.get("experiment", experiment) == experiment
-        return result
-    except (OSError, ValueError, AssertionError) as e:
+    except (OSError, ValueError) as e:
         refuse(f"{path} is not the JSON of `{experiment}` ({type(e).__name__})")
+    return result
 
 def probe(args):
     """The paper's picture: each sampled token's probability under the engine (mu) against the
@@ -178,14 +175,12 @@ def fixes(args):
     result, exp = load_json(args.path, "mismatch"), load_json(args.experiment_json, "experiment")
     rows = {(r["engine"], r["trainer"]): r for r in result["rows"]}
     speed, cost = result["engine_tokens_per_s"], result["trainer_fwd_bwd_s"]
-    engine_of = {"bf16": "bf16", "fp16": "fp16", "bf16-head32": "bf16+head32", "bf16-engine32": "fp32", "fp32": "fp32"}
-    trainer_of = {"bf16": "bf16", "fp16": "fp16", "bf16-head32": "bf16+head32", "bf16-engine32": "bf16", "fp32": "fp32"}
     table, arms = [], [a for a in exp["arms"] if "bf16" in exp["arms"][a]]
     print(f"{'fix':14} {'|log mu - log pi|':>17} " + " ".join(f"{a + ': reward vs bf16 [95% CI]':>40}" for a in arms)
           + f" {'engine tok/s':>13} {'trainer':>8}  adopt")
-    for v, pair, how in FIXES:
-        entry = {"fix": v, "mismatch_logp_abs_mean": rows[pair]["mismatch_logp_abs_mean"], "adopt": how,
-                 "engine_speed_vs_bf16": speed[engine_of[v]] / speed["bf16"], "trainer_time_vs_bf16": cost[trainer_of[v]] / cost["bf16"],
+    for v, (engine, trainer), how in FIXES:
+        entry = {"fix": v, "mismatch_logp_abs_mean": rows[engine, trainer]["mismatch_logp_abs_mean"], "adopt": how,
+                 "engine_speed_vs_bf16": speed[engine] / speed["bf16"], "trainer_time_vs_bf16": cost[trainer] / cost["bf16"],
                  "rl": {a: exp["arms"][a].get(v, {}).get("reward_last10_minus_bf16") for a in arms}}
         table.append(entry)
         cells = [f"{d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}] n={d['n']}" if d else "-" for d in entry["rl"].values()]
@@ -211,7 +206,6 @@ def main(argv=None):
     p.add_argument("path", help="experiment: a folder of runs; probe, fixes: the JSON of `probe.py mismatch`")
     p.add_argument("experiment_json", nargs="?", help="fixes: the JSON `plot.py experiment` wrote")
     p.add_argument("--out", required=True, help="the PNG to write (and its JSON beside it)")
-    p.add_argument("--title", default=None)
     args = p.parse_args(argv)
     if (args.figure == "fixes") != bool(args.experiment_json):
         refuse("fixes takes two JSON files (the probe's, the experiment's); experiment and probe take one path")

@@ -4,9 +4,8 @@ DIR, e.g. a finished run's hf/), the real engine in each dtype, the trainer besi
 
     python experiments/probe.py mismatch --json runs/probe.json  # the paper's offline test, every fix's rows and cost
     python experiments/probe.py scaler   --json runs/scaler.json # why an fp16 trainer needs the GradScaler
-    python experiments/probe.py audit    --json runs/audit.json  # the gradient-bias audit: the mismatch's bias
-                                                                 # on GRPO's gradient against the gradient's noise
-Every result records the machine it ran on: the engine's 16-bit kernels, and so the numbers, depend on it.
+    python experiments/probe.py audit    --json runs/audit.json  # the gradient-bias audit: the mismatch's bias on
+                                                                 # GRPO's gradient against its noise; records the machine
 """
 import argparse
 import json
@@ -57,8 +56,7 @@ def setup(args, engine=None):
         return engines[mode]
     return ckpt, model, device, get_engine
 
-def sample(llm, prompts, args, seed, device):
-    """The engine samples --group-size responses per prompt under `seed`; (samples, idx, mask, mu, seconds)."""
+def sample(llm, prompts, args, seed, device):  # -> samples, idx, mask, mu, seconds
     torch.manual_seed(seed)  # the in-process engine samples from the global generator: same numbers per engine
     t0 = time.perf_counter()
     samples = generate(llm, prompts, args.group_size, args.max_new_tokens, task.EOS_ID)
@@ -334,11 +332,10 @@ def get_args(argv=None):
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
     args.max_new_tokens = 2 * args.n_items + 8
-    if args.init:
-        try:
-            load_hf(args.init)
-        except ValueError as e:
-            p.error(f"--init: {e}")
+    try:
+        load_hf(args.init) if args.init else None
+    except ValueError as e:
+        p.error(f"--init: {e}")
     if args.json and not os.access(os.path.dirname(os.path.abspath(args.json)) or ".", os.W_OK):
         p.error(f"--json {args.json}: its folder does not exist or cannot be written")
     return args
