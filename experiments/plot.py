@@ -31,12 +31,12 @@ COLORS = {"fp16": "tab:blue", "bf16": "tab:red", "fp32": "0.35", "bf16-head32": 
 PANELS = [("reward_mean", "training reward"), ("eval_accuracy", "held-out accuracy"),
           ("mismatch_logp_abs_mean", "mean |log mu - log pi|"), ("clip_frac_neg", "clipped tokens, A < 0"),
           ("clip_frac_pos", "clipped tokens, A > 0")]
-FIXES = [  # variant, the probe's matched row (engine, trainer), what a forker changes to adopt it
+FIXES = [  # variant, the probe's matched (engine, trainer) row, what adopting it changes in the code
     ("bf16", ("bf16", "bf16"), "the baseline"),
-    ("fp16", ("fp16", "fp16"), "--dtype fp16 (both sides; the GradScaler turns on)"),
-    ("bf16-head32", ("bf16+head32", "bf16+head32"), "--lm-head fp32 (model.forward's head_dtype, vLLM's hf_overrides)"),
-    ("bf16-engine32", ("fp32", "bf16"), "--engine-dtype fp32 (the engine serves float32 master weights)"),
-    ("fp32", ("fp32", "fp32"), "--dtype fp32: what aligned kernels buy at best"),
+    ("fp16", ("fp16", "fp16"), "a flag, --dtype fp16 (the GradScaler, a pass-through elsewhere, turns on)"),
+    ("bf16-head32", ("bf16+head32", "bf16+head32"), "6 lines: model.forward's head_dtype, Precision, hf_overrides, the flag"),
+    ("bf16-engine32", ("fp32", "bf16"), "3 lines: get_precision's engine dtype, the sync's cast to it, the flag"),
+    ("fp32", ("fp32", "fp32"), "a flag, --dtype fp32: what perfectly aligned kernels buy at best"),
 ]
 
 def refuse(message):
