@@ -175,7 +175,7 @@ def fixes(args):
     result, exp = load_json(args.path, "mismatch"), load_json(args.experiment_json, "experiment")
     rows = {(r["engine"], r["trainer"]): r for r in result["rows"]}
     speed, cost = result["engine_tokens_per_s"], result["trainer_fwd_bwd_s"]
-    table, arms = [], [a for a in exp["arms"] if "bf16" in exp["arms"][a]]
+    table, arms = [], [a for a in exp["arms"] if any(c.get("reward_last10_minus_bf16") for c in exp["arms"][a].values())]
     print(f"{'fix':14} {'|log mu - log pi|':>17} " + " ".join(f"{a + ': reward vs bf16 [95% CI]':>40}" for a in arms)
           + f" {'engine tok/s':>13} {'trainer':>8}  adopt")
     for v, (engine, trainer), how in FIXES:
