@@ -328,7 +328,7 @@ def get_args(argv=None):
     p.add_argument("--n-items", type=tg.bounded(int, 1), default=12, help="digits to sort: the response is 2*n tokens")
     p.add_argument("--group-size", type=tg.bounded(int, 2), default=8, help="samples per prompt")
     p.add_argument("--batch-size", type=tg.bounded(int, 1), default=64, help="scaler, audit: prompts per batch")
-    p.add_argument("--batches", type=tg.bounded(int, 4), default=20, help="audit: independent batches (K) per dtype")
+    p.add_argument("--batches", type=tg.bounded(int, 5), default=20, help="audit: independent batches (K) per dtype, >= 5")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
     args.max_new_tokens = 2 * args.n_items + 8

@@ -83,7 +83,7 @@ def test_bias_statistics_by_hand():
 
 
 def test_audit_orders_the_dtypes_and_reports_intervals(engine, varied_reward):
-    result = probe.main(probe_argv("audit", "--batches", "4", "--batch-size", "8"), engine)
+    result = probe.main(probe_argv("audit", "--batches", "5", "--batch-size", "8"), engine)
     rows = {r["dtype"]: r for r in result["rows"]}
     for r in rows.values():
         assert r["sigma2"] > 0 and r["b2_ci"][0] <= r["b2"] <= r["b2_ci"][1]
