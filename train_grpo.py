@@ -78,6 +78,9 @@ def loss_normaliser(mask, algorithm, dr_grpo, max_new_tokens):
         return 1 / mask.sum(1, keepdim=True).clamp(min=1), n_seq
     return ones, mask.sum().clamp(min=1)
 
+def resolve_cap(algorithm, cap):  # --is-cap, or the algorithm's own (CAPS); one rule for the loss and its stats
+    return CAPS.get(algorithm, math.inf) if cap is None else cap
+
 def grpo_loss(logp, old_logp, mu_logp, adv, mask, seq_weight, denom, algorithm="grpo", cap=None, bypass=False):
     """Returns (loss, ratio, is_weight). Per-token tensors are (N, T), 1 in mask on response tokens.
     logp: the trainer's log-probs, with gradient (pi_theta); old_logp: pi_old, fixed at the rollout
@@ -95,7 +98,7 @@ def grpo_loss(logp, old_logp, mu_logp, adv, mask, seq_weight, denom, algorithm="
                   clipped to [1 - 3e-4, 1 + 4e-4]
     token-tis and seq-mis take w's pi from pi_old; with bypass (pi_old = mu) that makes w = 1, so they
     take pi_theta (detached), as verl's bypass mode does."""
-    cap, a, ratio, w = CAPS.get(algorithm, math.inf) if cap is None else cap, adv[:, None], None, None
+    cap, a, ratio, w = resolve_cap(algorithm, cap), adv[:, None], None, None
     pi_logp = logp.detach() if bypass else old_logp  # the pi of the importance weight pi / mu
     if algorithm in ("pg-seq-is", "pg-seq-mis"):
         w = torch.exp(((logp.detach() - mu_logp) * mask).sum(1, keepdim=True))
@@ -134,7 +137,7 @@ def loss_stats(ratio, is_weight, adv, mask, algorithm, cap):
         stats["clip_seq_frac"] = clipped.any(1).sum().item() / max(1, seqs.sum().item())
         stats["ratio_dev_max"] = ((ratio - 1).abs() * mask).max().item()
     if is_weight is not None:
-        cap = CAPS.get(algorithm, math.inf) if cap is None else cap
+        cap = resolve_cap(algorithm, cap)
         w = is_weight[tokens] if algorithm == "token-tis" else is_weight[seqs]
         if w.numel():
             stats.update(is_weight_mean=w.mean().item(), is_weight_max=w.max().item(),
