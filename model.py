@@ -135,10 +135,14 @@ class GPT(nn.Module):
         return F.linear(h.to(head_dtype), self.lm_head.weight.to(head_dtype))
 
 def token_logprobs(model, idx):
-    """log p(idx[:, t+1] | idx[:, :t+1]) for every t: shape (B, T-1). log_softmax in float32 from the
-    logits, exactly what vLLM reports as a sampled token's log-prob ("raw_logprobs")."""
-    logits = model(idx[:, :-1]).float()
-    return torch.gather(F.log_softmax(logits, dim=-1), -1, idx[:, 1:, None]).squeeze(-1)
+    """log p(idx[:, t+1] | idx[:, :t+1]) for every t: shape (B, T-1)."""
+    return logprobs_of(model(idx[:, :-1]), idx)
+
+def logprobs_of(logits, idx):
+    """The log-prob of each next token in idx, from the logits of idx[:, :-1]. log_softmax in
+    float32, whatever the logits' dtype: exactly what vLLM reports ("raw_logprobs")."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    return torch.gather(logp, -1, idx[:, 1:, None]).squeeze(-1)
 
 # ---------------------------------------------------------------------------------------------------
 # Checkpoint format: a Hugging Face Llama directory (config.json + model.safetensors), float32.

@@ -145,26 +145,42 @@ def machine_line(m):
     return f"{m['gpu'] or m['cpu']} ({' '.join(m['cpu_isa'])}), torch {m['torch']}, {m['vllm']}, host {m['host']}"
 
 # ---------------------------------------------------------------------------------------------------
-# Mismatch metrics between the rollout engine (mu) and the trainer (pi), over response tokens only.
+# Mismatch metrics between the rollout engine (mu) and the trainer (pi), over response tokens only,
+# and the instruments that decompose it.
+
+# Buckets of the trainer's probability of the sampled token. Most tokens of a sharp policy sit
+# above 0.9, so the edges split the top finely.
+PI_EDGES = (0.0, 0.5, 0.9, 0.99, 0.999, 1.0)
 
 def mismatch_metrics(mu_logp, pi_logp, mask):
-    """mu_logp: log-prob the vLLM engine gave each sampled token; pi_logp: the trainer's log-prob of
-    the same token, same weights, before the update; mask: 1 on response tokens. All (N, T).
+    """mu_logp: log-prob the vLLM engine gave each sampled token; pi_logp: the trainer's log-prob
+    of the same token, same weights, before the update; mask: 1 on response tokens. All (N, T).
     With d = log mu - log pi and r = pi / mu = exp(-d), means over masked tokens:
-      k1                = mean(d)             estimates KL(mu || pi); signed, so errors can cancel
-      k3                = mean(r - 1 - log r) also estimates KL(mu || pi), every term >= 0: the number to watch
-      prob_abs_mean/max = mean/max |mu - pi|  in probability space; the max is the worst token
+      k1                = mean(d)             estimates KL(mu || pi); signed: errors can cancel
+      k3                = mean(r - 1 - log r) also KL(mu || pi), every term >= 0: the one to watch
+      prob_abs_mean/max = mean/max |mu - pi|  in probability; the max is the worst token
       logp_abs_mean     = mean |d|            the per-token log-ratio size
-      seq_logratio_abs  = mean over sequences of |sum_t d_t|: the log of the sequence-level importance
-                          weight that sequence-level corrections use; it grows with length
-    In float64 (a float32 sum of 12,000 values of 1e-8 loses digits), and k3 as expm1(log r) - log r,
-    as oat does: exp(x) - 1 - x at the fp32 run's x ~ 1e-8 loses every digit and can come out negative."""
+      seq_logratio_abs  = mean over sequences of |sum_t d_t|: the log of the sequence-level
+                          importance weight that sequence corrections use; it grows with length
+      logp_mean         = mean log pi         how sure the policy is of what it sampled
+      pi_bucket_frac, pi_bucket_logp_abs_mean: per bucket of pi (PI_EDGES), the share of tokens
+                          and their mean |d|; logp_abs_mean = sum of share x mean (shift-share)
+    In float64 (a float32 sum of 12,000 values of 1e-8 loses digits), and k3 as
+    expm1(log r) - log r, as oat does: exp(x) - 1 - x at x ~ 1e-8 loses every digit."""
     d = (mu_logp.double() - pi_logp.double()) * mask
     m = mask.double()
     n = m.sum().clamp(min=1)
     log_r = -d
     k3 = (torch.expm1(log_r) - log_r) * m
     dp = (mu_logp.double().exp() - pi_logp.double().exp()).abs() * m
+    pi = pi_logp.double().exp()
+    frac, size = [], []
+    for lo, hi in zip(PI_EDGES[:-1], PI_EDGES[1:]):
+        top = pi <= hi if hi == PI_EDGES[-1] else pi < hi  # the last bucket holds pi = 1
+        inside = m.bool() & (pi >= lo) & top
+        count = inside.sum().item()
+        frac.append(count / n.item())
+        size.append(d.abs()[inside].mean().item() if count else None)
     return {
         "mismatch_k1": (d.sum() / n).item(),
         "mismatch_k3": (k3.sum() / n).item(),
@@ -172,4 +188,27 @@ def mismatch_metrics(mu_logp, pi_logp, mask):
         "mismatch_prob_abs_max": dp.max().item(),
         "mismatch_logp_abs_mean": (d.abs().sum() / n).item(),
         "mismatch_seq_logratio_abs": d.sum(1).abs().mean().item(),
+        "logp_mean": (pi_logp.double() * m).sum().item() / n.item(),
+        "pi_bucket_frac": frac,
+        "pi_bucket_logp_abs_mean": size,
     }
+
+def rounding_scale(logits, resid, hidden, mask, model):
+    """The size of what the 16-bit forward rounds, over response positions. Rounding error is
+    relative (epsilon x the number), so larger numbers carry larger absolute errors:
+      resid_rms      the residual stream as it enters the final norm
+      hidden_rms     the final norm's output, the LM head's input
+      logit_rms      the logits; logit_abs_max their largest magnitude
+      entropy_mean   of the next-token distribution: low = a peaky policy
+      weight_rms     over every matrix of the float32 master weights
+    logits, resid, hidden: (N, T, ...) of the scoring forward; mask (N, T)."""
+    on = mask.bool()
+    rms = lambda x: x[on].double().pow(2).mean().sqrt().item()  # noqa: E731
+    logp = torch.log_softmax(logits.float(), dim=-1)  # float32, as the log-probs are computed
+    entropy = -(logp.exp() * logp).sum(-1)
+    matrices = [p.detach().double() for p in model.parameters() if p.dim() == 2]
+    squares = sum(w.pow(2).sum() for w in matrices) / sum(w.numel() for w in matrices)
+    return {"resid_rms": rms(resid), "hidden_rms": rms(hidden), "logit_rms": rms(logits),
+            "logit_abs_max": logits[on].abs().max().item(),
+            "entropy_mean": entropy[on].double().mean().item(),
+            "weight_rms": squares.sqrt().item()}

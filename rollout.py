@@ -4,6 +4,7 @@ rollout.py: the inference side. One real vLLM engine per run, in the engine's dt
   start_engine  loads the exported checkpoint (model.save_hf) into an in-process vllm.LLM
   generate      samples n responses per prompt and returns, for every sampled token, the log-prob
                 the engine itself assigned to it (mu, the behaviour policy)
+  prefill_logprobs  the engine's log-probs of given tokens, read in one prefill (no sampling)
   sync_weights  pushes the trainer's new weights into the running engine in place: no restart, no disk
 
 What it teaches: the engine is a second, independently optimised forward pass. On the very same
@@ -68,6 +69,16 @@ def generate(llm, prompts, n, max_tokens, eos_id):
             lps = [c.logprobs[i][t].logprob for i, t in enumerate(ids)]
             samples.append(Sample(list(out.prompt_token_ids), ids, lps, c.finish_reason == "stop"))
     return samples
+
+def prefill_logprobs(llm, sequences, starts):
+    """The engine's log-prob of each token of each sequence from position starts[i] on, computed
+    in one prefill pass (prompt_logprobs), the way the engine scores a prompt. On identical tokens
+    every engine and trainer can be compared pair by pair, free of sampling noise."""
+    from vllm import SamplingParams, TokensPrompt
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
+    return [[o.prompt_logprobs[i][s[i]].logprob for i in range(start, len(s))]
+            for o, s, start in zip(outs, sequences, starts)]
 
 def sync_weights(llm, named_tensors, dtype):
     """Copy the trainer's weights (cast to the engine's dtype) into the running engine. Returns seconds.

@@ -10,6 +10,8 @@ Task: sort a list of digits, e.g. prompt "<|bos|>sort 3,9,1,3,0,7,2,8,5,6,4,1=" 
 RL run heads to 100 % reward and a sick one is easy to see; every answer token is forced by the
 prompt, so the reward is exact and the response length (2 * n_items tokens) is the difficulty knob.
 """
+import hashlib
+import json
 import random
 
 import tiktoken
@@ -29,6 +31,13 @@ def decode(ids):
     # errors="replace": a policy can sample byte sequences that are not UTF-8; reward them, don't crash.
     return TOKENIZER.decode_bytes(ids).decode("utf-8", errors="replace") if ids else ""
 
+def seed_of(*parts):
+    """The project's one seeding scheme: a 63-bit seed for the stream named by `parts`, e.g.
+    seed_of("rollout", 0, 7). A hash of the parts' JSON: distinct names give distinct streams
+    (two collide with chance 2^-63), unlike arithmetic such as seed * 1,000,003 + step."""
+    digest = hashlib.sha256(json.dumps(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1  # torch.manual_seed takes < 2^63
+
 def make_problem(rng, n_items):
     """One problem: (prompt text, answer text), digits drawn with replacement."""
     digits = [rng.randrange(10) for _ in range(n_items)]
@@ -36,16 +45,16 @@ def make_problem(rng, n_items):
 
 def make_splits(seed, n_items, n_eval):
     """Held-out problems (a fixed list) and train_batch(key, n): n training problems drawn from the
-    stream named `key` (the caller names it by phase and step, e.g. "0-sft-12" or "0-7"), never an
-    eval prompt. Everything is determined by the seed and the key alone: repeatable runs, exact resume."""
-    rng = random.Random(f"eval-{seed}")
+    stream named `key` (a tuple naming phase and step, e.g. ("sft", 12) or ("rl", 0, 7)), never an
+    eval prompt. Determined by the seed and the key alone: repeatable runs, exact resume."""
+    rng = random.Random(seed_of("eval", seed))
     eval_set = {}
     while len(eval_set) < n_eval:
         prompt, answer = make_problem(rng, n_items)
         eval_set[prompt] = answer
 
     def train_batch(key, n):
-        rng, batch = random.Random(f"train-{seed}-{key}"), []
+        rng, batch = random.Random(seed_of("train", seed, *key)), []
         while len(batch) < n:
             prompt, answer = make_problem(rng, n_items)
             if prompt not in eval_set:

@@ -1,14 +1,16 @@
 """
 experiments/plot.py: the figures and tables, each drawn from files a command wrote, printed as drawn.
 
-    python experiments/plot.py experiment runs/exp --out figures/experiment.png   # RL over seeds, paired by seed
-    python experiments/plot.py probe runs/probe.json --out figures/probe.png       # each token's mu against pi
-    python experiments/plot.py fixes figures/probe.json figures/experiment.json --out figures/fixes.png
+    python experiments/plot.py experiment results/MACHINE --out figures/campaign.png  # RL over seeds, paired
+    python experiments/plot.py probe runs/probe.json --out figures/probe.png          # each token's mu against pi
+    python experiments/plot.py fixes figures/probe.json figures/campaign.json --out figures/fixes.png
 
 experiment: run folders ARM-VARIANT-sSEED (VARIANT: fp16, bf16, fp32, bf16-head32 = --lm-head fp32,
-bf16-engine32 = --engine-dtype fp32). Per arm and variant: n, mean and standard error (ddof 1) over
-seeds, and the difference from bf16 paired by seed (same prompts and random numbers) with a 95 % t
-interval and an exact sign-flip test. The numbers drawn go to a JSON beside the PNG.
+bf16-engine32 = --engine-dtype fp32), as experiments/campaign.py leaves them. Per arm and variant: n,
+mean and standard error (ddof 1) over seeds of the last-10 training reward and of the held-out accuracy
+read by one fp32 engine (heldout.json), and each one's difference from bf16 paired by seed (same
+prompts and random numbers) with a 95 % t interval and an exact sign-flip test; printed as the
+Markdown table the README holds. The numbers drawn go to a JSON beside the PNG.
 """
 import argparse
 import itertools
@@ -24,6 +26,7 @@ matplotlib.use("Agg")  # write files, never open a window
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from precision import machine_line  # noqa: E402
 from train_grpo import read_metrics, write_atomic  # noqa: E402
 from experiments.probe import fmt, t_quantile  # noqa: E402
 
@@ -62,8 +65,9 @@ def paired(a, b):
             "p_sign_flip": sum(flips) / len(flips)}
 
 def load_experiment(folder):
-    """{arm: {variant: [(seed, rows)]}} of every finished run (its last row has the held-out accuracy)."""
-    runs = {}
+    """{arm: {variant: [(seed, rows, fp32 held-out accuracy or None)]}} of every finished run, and the
+    machine of its runs (one group: pairs across machines are not pairs)."""
+    runs, machines = {}, set()
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
         if not os.path.isfile(os.path.join(path, "args.json")):
@@ -71,31 +75,38 @@ def load_experiment(folder):
         args, rows = json.load(open(os.path.join(path, "args.json"))), read_metrics(os.path.join(path, "metrics.jsonl"))
         if len(rows) < args["steps"]:
             continue  # unfinished
-        v = variant(args)
-        arm = name[:-len(f"-{v}-s{args['rl_seed']}")] if name.endswith(f"-{v}-s{args['rl_seed']}") else name
-        runs.setdefault(arm, {}).setdefault(v, []).append((args["rl_seed"], rows))
+        heldout = os.path.join(path, "heldout.json")
+        acc = json.load(open(heldout))["accuracy"] if os.path.isfile(heldout) else None
+        v, seed = variant(args), args["rl_seed"]
+        arm = name[:-len(f"-{v}-s{seed}")] if name.endswith(f"-{v}-s{seed}") else name
+        runs.setdefault(arm, {}).setdefault(v, []).append((seed, rows, acc))
+        machines.add(machine_line(args["machine"]))
     if not runs:
         refuse(f"{folder} holds no finished run folder named ARM-VARIANT-sSEED")
-    return runs
+    if len(machines) > 1:
+        refuse(f"{folder} mixes runs of {len(machines)} machines: pairs across machines are not pairs")
+    return runs, machines.pop()
+
+SUMMARY = (("reward_last10", "last-10 reward"), ("heldout", "held-out (fp32 engine)"))
 
 def experiment(args):
-    runs, out = load_experiment(args.path), {"arms": {}}
+    runs, where = load_experiment(args.path)
+    out = {"machine": where, "arms": {}}
     fig, axes = plt.subplots(len(runs), len(PANELS), figsize=(3.8 * len(PANELS), 3.1 * len(runs)), squeeze=False)
     for row, (arm, by_variant) in enumerate(runs.items()):
         cells = out["arms"][arm] = {}
         for v in sorted(by_variant, key=lambda v: list(COLORS).index(v) if v in COLORS else 99):
-            seeds = sorted(by_variant[v])
-            cell = cells[v] = {"seeds": [s for s, _ in seeds], "n": len(seeds), "curves": {}}
-            cell["eval_after"] = [rows[-1]["eval_accuracy"] for _, rows in seeds]
-            cell["eval_before"] = [rows[0].get("eval_accuracy_before") for _, rows in seeds]
-            cell["reward_last10"] = [float(np.mean([r["reward_mean"] for r in rows[-10:]])) for _, rows in seeds]
-            for key in ("mismatch_logp_abs_mean", "clip_frac_pos", "clip_frac_neg", "clip_seq_frac", "is_weight_max",
-                        "time_step_s", "time_train_s", "rollout_tokens_per_s"):
-                per_seed = [np.mean([r[key] for r in rows if r.get(key) is not None]) for _, rows in seeds
+            seeds = sorted(by_variant[v], key=lambda s: s[0])
+            cell = cells[v] = {"seeds": [s for s, _, _ in seeds], "n": len(seeds), "curves": {}}
+            cell["heldout"] = [acc for _, _, acc in seeds]
+            cell["eval_before"] = [rows[0].get("eval_accuracy_before") for _, rows, _ in seeds]
+            cell["reward_last10"] = [float(np.mean([r["reward_mean"] for r in rows[-10:]])) for _, rows, _ in seeds]
+            for key in ("mismatch_logp_abs_mean", "clip_frac_pos", "clip_frac_neg", "time_step_s"):
+                per_seed = [np.mean([r[key] for r in rows if r.get(key) is not None]) for _, rows, _ in seeds
                             if any(r.get(key) is not None for r in rows)]
                 cell[key] = mean_se(per_seed)[0] if per_seed else None  # the mean over steps, then over seeds
             for col, (key, label) in enumerate(PANELS):
-                curves = [{r["step"]: r[key] for r in rows if r.get(key) is not None} for _, rows in seeds]
+                curves = [{r["step"]: r[key] for r in rows if r.get(key) is not None} for _, rows, _ in seeds]
                 steps = sorted(set.intersection(*(set(c) for c in curves)))
                 if not steps:
                     continue
@@ -110,28 +121,42 @@ def experiment(args):
                 ax.set_yscale("log" if key == "mismatch_logp_abs_mean" else "linear")
                 ax.grid(alpha=0.3)
         axes[row, 0].legend(fontsize=7)
-        print(f"\n{arm}: mean +- s.e. over seeds (ddof 1); paired by seed against bf16: mean [95 % CI], sign-flip p")
         for v, cell in cells.items():
-            for key in ("reward_last10", "eval_after"):
-                m, se = mean_se(cell[key])
-                cell[key + "_mean"], cell[key + "_se"] = m, se
+            for key, _ in SUMMARY:
+                values = [x for x in cell[key] if x is not None]
+                cell[key + "_mean"], cell[key + "_se"] = mean_se(values) if values else (None, None)
                 if v != "bf16" and "bf16" in cells:
-                    common = sorted(set(cell["seeds"]) & set(cells["bf16"]["seeds"]))
-                    pick = lambda c: [c[key][c["seeds"].index(s)] for s in common]  # noqa: E731
-                    cell[key + "_minus_bf16"] = paired(pick(cell), pick(cells["bf16"])) if len(common) > 1 else None
-            print(f"  {v:14} n={cell['n']} | last-10 reward {describe(cell, 'reward_last10')} | held-out after "
-                  f"{describe(cell, 'eval_after')} | clipped A>0 {fmt(cell['clip_frac_pos'], '.3f')} A<0 {fmt(cell['clip_frac_neg'], '.3f')} "
-                  f"| |log mu - log pi| {fmt(cell['mismatch_logp_abs_mean'], '.1e')}")
+                    common = sorted(s for s in set(cell["seeds"]) & set(cells["bf16"]["seeds"])
+                                    if None not in (pick(cell, key, s), pick(cells["bf16"], key, s)))
+                    cell[key + "_minus_bf16"] = paired([pick(cell, key, s) for s in common],
+                                                       [pick(cells["bf16"], key, s) for s in common]) if len(common) > 1 else None
     for ax in axes[-1]:
         ax.set_xlabel("RL step")
-    fig.suptitle("Mean over seeds (line) and its standard error (shade)")
+    fig.suptitle(f"Mean over seeds (line) and its standard error (shade); {where}", fontsize=9)
+    print_table(out)
     save(fig, args.out, out)
 
+def pick(cell, key, seed):
+    return cell[key][cell["seeds"].index(seed)]
+
+def print_table(out):
+    """The sanity table: a row per arm, a column per variant; mean +- s.e. (n), and against bf16 the
+    paired difference [95 % t interval] and the sign-flip p."""
+    variants = [v for v in COLORS if any(v in cells for cells in out["arms"].values())]
+    for key, label in SUMMARY:
+        print(f"\n{label}: mean +- s.e. over seeds (n); vs bf16 paired by seed: mean [95 % CI], sign-flip p\n")
+        print("| arm | " + " | ".join(variants) + " |\n|---|" + "---|" * len(variants))
+        for arm, cells in out["arms"].items():
+            print(f"| {arm} | " + " | ".join(describe(cells[v], key) if v in cells else "" for v in variants) + " |")
+    print(f"\n{out['machine']}")
+
 def describe(cell, key):
-    text = f"{cell[key + '_mean']:.4f} +- {fmt(cell[key + '_se'], '.4f')}"
+    if cell[key + "_mean"] is None:
+        return "-"
+    text = f"{cell[key + '_mean']:.4f} +- {fmt(cell[key + '_se'], '.4f')} ({cell['n']})"
     d = cell.get(key + "_minus_bf16")
     if d:
-        text += f" (vs bf16 {d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}] p={d['p_sign_flip']:.3f})"
+        text += f"<br>{d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}] p={d['p_sign_flip']:.3f}"
     return text
 
 def save(fig, out, data=None):
@@ -170,26 +195,29 @@ def probe(args):
     save(fig, args.out)
 
 def fixes(args):
-    """The side-by-side table of the fixes: the mismatch each leaves, the RL result in each arm paired
+    """The side-by-side table of the fixes: the mismatch each leaves on identical tokens (the probe's
+    paired rows) against bf16's with its 95 % bootstrap interval, the RL result in each arm paired
     against bf16, what it costs (engine sampling, trainer forward + backward), and how to adopt it."""
     result, exp = load_json(args.path, "mismatch"), load_json(args.experiment_json, "experiment")
-    rows = {(r["engine"], r["trainer"]): r for r in result["rows"]}
+    rows = {(r["engine"], r["trainer"]): r for r in result["paired_rows"]}
     speed, cost = result["engine_tokens_per_s"], result["trainer_fwd_bwd_s"]
     table, arms = [], [a for a in exp["arms"] if any(c.get("reward_last10_minus_bf16") for c in exp["arms"][a].values())]
-    print(f"{'fix':14} {'|log mu - log pi|':>17} " + " ".join(f"{a + ': reward vs bf16 [95% CI]':>40}" for a in arms)
-          + f" {'engine tok/s':>13} {'trainer':>8}  adopt")
+    print(f"{'fix':14} {'|log mu - log pi|':>17} {'vs bf16 [95% CI]':>24} "
+          + " ".join(f"{a + ': reward vs bf16 [95% CI]':>40}" for a in arms) + f" {'engine tok/s':>13} {'trainer':>8}  adopt")
     for v, (engine, trainer), how in FIXES:
-        entry = {"fix": v, "mismatch_logp_abs_mean": rows[engine, trainer]["mismatch_logp_abs_mean"], "adopt": how,
+        r = rows[engine, trainer]
+        entry = {"fix": v, "mismatch_logp_abs_mean": r["mismatch_logp_abs_mean"], "over_bf16": r["over_bf16"], "adopt": how,
                  "engine_speed_vs_bf16": speed[engine] / speed["bf16"], "trainer_time_vs_bf16": cost[trainer] / cost["bf16"],
                  "rl": {a: exp["arms"][a].get(v, {}).get("reward_last10_minus_bf16") for a in arms}}
         table.append(entry)
+        o = entry["over_bf16"]
         cells = [f"{d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}] n={d['n']}" if d else "-" for d in entry["rl"].values()]
-        print(f"{v:14} {entry['mismatch_logp_abs_mean']:>17.2e} " + " ".join(f"{c:>40}" for c in cells)
-              + f" {entry['engine_speed_vs_bf16']:>12.2f}x {entry['trainer_time_vs_bf16']:>7.2f}x  {how}")
+        print(f"{v:14} {entry['mismatch_logp_abs_mean']:>17.2e} {o['ratio']:>8.3f} [{o['ci95'][0]:.3f}, {o['ci95'][1]:.3f}] "
+              + " ".join(f"{c:>40}" for c in cells) + f" {entry['engine_speed_vs_bf16']:>12.2f}x {entry['trainer_time_vs_bf16']:>7.2f}x  {how}")
     fig, axes = plt.subplots(1, 1 + len(arms), figsize=(4.2 * (1 + len(arms)), 3.6), squeeze=False)
     names = [e["fix"] for e in table]
     axes[0, 0].barh(names, [e["mismatch_logp_abs_mean"] for e in table], color=[COLORS[n] for n in names])
-    axes[0, 0].set(xscale="log", title="mean |log mu - log pi| (offline probe)")
+    axes[0, 0].set(xscale="log", title="mean |log mu - log pi|\n(offline, identical tokens)")
     for ax, arm in zip(axes[0, 1:], arms):
         for i, e in enumerate(table):
             d = e["rl"][arm]

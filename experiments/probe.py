@@ -4,8 +4,10 @@ DIR, e.g. a finished run's hf/), the real engine in each dtype, the trainer besi
 
     python experiments/probe.py mismatch --json runs/probe.json  # the paper's offline test, every fix's rows and cost
     python experiments/probe.py scaler   --json runs/scaler.json # why an fp16 trainer needs the GradScaler
-    python experiments/probe.py audit    --json runs/audit.json  # the gradient-bias audit: the mismatch's bias on
-                                                                 # GRPO's gradient against its noise; records the machine
+    python experiments/probe.py audit    --json runs/audit.json  # the mismatch's bias on GRPO's gradient against its noise
+    python experiments/probe.py heldout  --init DIR --json F     # a policy's held-out accuracy, read by one fp32 engine
+
+Every result records the machine: the 16-bit numbers are the chip's.
 """
 import argparse
 import json
@@ -14,6 +16,7 @@ import os
 import sys
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from the repository root
@@ -21,7 +24,7 @@ import task  # noqa: E402
 import train_grpo as tg  # noqa: E402
 from model import hf_named_tensors, load_hf, token_logprobs  # noqa: E402
 from precision import INIT_SCALE, autocast, get_precision, machine, machine_line, mismatch_metrics  # noqa: E402
-from rollout import generate, start_engine, sync_weights  # noqa: E402
+from rollout import generate, prefill_logprobs, start_engine, sync_weights  # noqa: E402
 
 # Each side's way of computing: a dtype, "+head32" for the fp32 LM head (--lm-head fp32), "-autocast"
 # for the gentler mixed precision (16-bit matmuls over float32 weights and residual stream).
@@ -29,6 +32,7 @@ ENGINES = ("fp32", "bf16", "fp16", "bf16+head32", "fp16+head32")
 TRAINERS = ("fp32", "bf16", "fp16", "bf16-autocast", "fp16-autocast", "bf16+head32", "fp16+head32")
 DTYPES = ("fp32", "bf16", "fp16")
 COSTED = ("fp32", "bf16", "fp16", "bf16+head32", "fp16+head32")  # the trainer modes timed
+RESAMPLES = 2000  # bootstrap resamples of the sequences, for the paired ratios' intervals
 
 def precision_of(mode, device):
     return get_precision(mode.split("+")[0].split("-")[0], lm_head="fp32" if "+head32" in mode else "same", device=device)
@@ -57,65 +61,111 @@ def setup(args, engine=None):
         return engines[mode]
     return ckpt, model, device, get_engine
 
-def sample(llm, prompts, args, seed, device):  # -> samples, idx, mask, mu, seconds
-    torch.manual_seed(seed)  # the in-process engine samples from the global generator: same numbers per engine
+def held_out_prompts(args):
+    return [task.prompt_ids(p) for p, _ in task.make_splits(args.seed, args.n_items, tg.N_EVAL)[0]]
+
+def sample(llm, prompts, n, args, device):  # -> samples, idx, mask, mu, seconds
+    torch.manual_seed(task.seed_of("probe", args.seed))  # the global generator: the same numbers per engine
     t0 = time.perf_counter()
-    samples = generate(llm, prompts, args.group_size, args.max_new_tokens, task.EOS_ID)
+    samples = generate(llm, prompts, n, args.max_new_tokens, task.EOS_ID)
     seconds = time.perf_counter() - t0
     idx, mask, mu = tg.pack([s.prompt_ids for s in samples], [s.response_ids for s in samples], device,
                             [s.logprobs for s in samples])
     return samples, idx, mask, mu, seconds
 
-def batch_of(args, key, llm, seed, train_batch, device):
-    """One GRPO batch from the engine: (idx, mask, mu, advantages)."""
-    problems = train_batch(key, args.batch_size)
-    samples, idx, mask, mu, _ = sample(llm, [task.prompt_ids(p) for p, _ in problems], args, seed, device)
-    answers = [a for _, a in problems for _ in range(args.group_size)]
-    rewards = torch.tensor([task.reward(s.response_ids, a) for s, a in zip(samples, answers)])
-    return idx, mask, mu, tg.group_advantages(rewards, args.group_size).to(device)
+def prefill(llm, samples, device):
+    """The engine's prefill log-probs of the samples' response tokens, laid out as pack lays out mu."""
+    lps = prefill_logprobs(llm, [s.prompt_ids + s.response_ids for s in samples], [len(s.prompt_ids) for s in samples])
+    return tg.pack([s.prompt_ids for s in samples], [s.response_ids for s in samples], device, lps)[2]
 
 # ---------------------------------------------------------------------------------------------------
 # 1. The mismatch, and what each fix costs
 
+def paired_ratio(d_a, d_b, mask, seed=0):
+    """mean |d_a| / mean |d_b| over the same tokens, with a 95 % percentile bootstrap interval that
+    resamples whole sequences (tokens of one sequence are not independent), both rows together."""
+    a, b, n = ((d_a.abs() * mask).sum(1).double().numpy(), (d_b.abs() * mask).sum(1).double().numpy(),
+               mask.sum(1).double().numpy())
+    pick = np.random.default_rng(seed).integers(0, len(n), size=(RESAMPLES, len(n)))
+    boot = a[pick].sum(1) / b[pick].sum(1)
+    return {"ratio": float(a.sum() / b.sum()), "ci95": [float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))]}
+
 def mismatch(args, engine=None):
-    """Each engine samples --group-size responses to every held-out prompt under one seed (timed the
-    second time: the first warms it up); the trainer scores the same tokens in each way. Matched rows
-    are what a run sees; rows against fp32 show whose rounding it is. Then each trainer mode's forward
-    + backward on 512 of the bf16 engine's sequences, timed (median of 3 rounds): what the trainer pays."""
+    """Three tables on the held-out prompts (--group-size samples each).
+    own: each engine samples its own responses (timed the second time: the first warms it up), each
+         trainer mode scores them: what a run sees. Different engines, different tokens.
+    self: each engine's log-probs of its own samples as it decoded them (KV cache) against its prefill
+          of the same tokens: how far the engine is from itself, the floor for any trainer aligned to
+          its kernels.
+    paired: one fixed set of tokens (the fp32 engine's samples) scored by every engine's prefill and
+            every trainer mode; each row's mean |log mu - log pi| over the bf16 row's, on the same
+            tokens, with a 95 % bootstrap interval.
+    Then each trainer mode's forward + backward on 512 sequences, timed: what the trainer pays."""
     ckpt, model, device, get_engine = setup(args, engine)
-    prompts = [task.prompt_ids(p) for p, _ in task.make_splits(args.seed, args.n_items, tg.N_EVAL)[0]]
-    rows, tokens, speed, cost = [], {}, {}, {}
+    prompts = held_out_prompts(args)
+    rows, self_rows, paired, tokens, speed, cost = [], [], [], {}, {}, {}
+    common = sample(get_engine("fp32"), prompts, args.group_size, args, device)
+    with torch.no_grad():
+        pis = {tr: trainer_logprobs(model, tr, common[1], device) for tr in TRAINERS}
+    base = None
     for eng in ENGINES:
-        sample(get_engine(eng), prompts, args, args.seed, device)
-        _, idx, mask, mu, seconds = sample(get_engine(eng), prompts, args, args.seed, device)
+        llm = get_engine(eng)
+        sample(llm, prompts, args.group_size, args, device)
+        samples, idx, mask, mu, seconds = sample(llm, prompts, args.group_size, args, device)
         speed[eng] = mask.sum().item() / seconds
-        for tr in TRAINERS[:5] if eng in DTYPES else (eng, "fp32"):  # a fix's engine: its own trainer, and fp32
-            with torch.no_grad():
+        self_rows.append({"engine": eng, **mismatch_metrics(mu, prefill(llm, samples, device), mask)})
+        with torch.no_grad():
+            for tr in TRAINERS[:5] if eng in DTYPES else (eng, "fp32"):  # a fix's engine: its own trainer, and fp32
                 pi = trainer_logprobs(model, tr, idx, device)
-            rows.append({"engine": eng, "trainer": tr, **mismatch_metrics(mu, pi, mask)})
-            if tr == eng:  # every sampled token's (mu, pi), for the scatter figure
-                tokens[eng] = {"mu": mu[mask.bool()].tolist(), "pi": pi[mask.bool()].tolist()}
+                rows.append({"engine": eng, "trainer": tr, **mismatch_metrics(mu, pi, mask)})
+                if tr == eng:  # every sampled token's (mu, pi), for the scatter figure
+                    tokens[eng] = {"mu": mu[mask.bool()].tolist(), "pi": pi[mask.bool()].tolist()}
+        mu_common = prefill(llm, common[0], device)
+        for tr in TRAINERS[:5] if eng in DTYPES else (eng, "fp32"):
+            d = mu_common - pis[tr]
+            if (eng, tr) == ("bf16", "bf16"):
+                base = d
+            paired.append({"engine": eng, "trainer": tr, "d": d, **mismatch_metrics(mu_common, pis[tr], common[2])})
         if eng == "bf16":  # rounds over the modes after a warm-up round, so drift hits every mode alike
             times = [[time_fwd_bwd(model, tr, idx[:512], device) for tr in COSTED] for _ in range(4)][1:]
             cost = {tr: sorted(t[i] for t in times)[1] for i, tr in enumerate(COSTED)}
+    for r in paired:
+        r["over_bf16"] = paired_ratio(r.pop("d"), base, common[2])
     matched = {r["engine"]: r for r in rows if r["engine"] == r["trainer"]}
     # k1 is signed (its errors cancel), so a ratio of it means nothing; every other metric is >= 0.
-    ratio = {k: matched["bf16"][k] / matched["fp16"][k] for k in matched["fp16"] if k.startswith("mismatch_") and k != "mismatch_k1"}
-    result = {"experiment": "mismatch", "checkpoint": ckpt, "machine": machine(), "sequences_per_engine": len(prompts) * args.group_size,
-              "rows": rows, "bf16_over_fp16": ratio, "engine_tokens_per_s": speed,
-              "trainer_fwd_bwd_s": cost, "tokens": tokens}
-    keys = [k for k in rows[0] if k.startswith("mismatch_")]
-    print(f"\nmismatch between engine (mu) and trainer (pi) on {ckpt}, {result['sequences_per_engine']} responses"
-          f" per engine\n{machine_line(result['machine'])}\n\n{'engine':12} {'trainer':14} " + " ".join(f"{k[9:]:>17}" for k in keys))
-    for r in rows:
+    ratio = {k: matched["bf16"][k] / matched["fp16"][k] for k in matched["fp16"]
+             if k.startswith("mismatch_") and k != "mismatch_k1"}
+    result = {"experiment": "mismatch", "checkpoint": ckpt, "machine": machine(),
+              "sequences_per_engine": len(prompts) * args.group_size, "tokens_per_engine": int(common[2].sum()),
+              "rows": rows, "self_rows": self_rows, "paired_rows": paired, "bf16_over_fp16": ratio,
+              "engine_tokens_per_s": speed, "trainer_fwd_bwd_s": cost, "tokens": tokens}
+    print_mismatch(result)
+    return result
+
+def print_mismatch(result):
+    keys = ["mismatch_k3", "mismatch_prob_abs_mean", "mismatch_prob_abs_max", "mismatch_logp_abs_mean", "mismatch_seq_logratio_abs"]
+    head = " ".join(f"{k[9:]:>17}" for k in keys)
+    print(f"\nmismatch between engine (mu) and trainer (pi) on {result['checkpoint']}, {result['sequences_per_engine']} "
+          f"responses per engine\n{machine_line(result['machine'])}\n\nown samples (what a run sees)\n{'engine':12} {'trainer':14} {head}")
+    for r in result["rows"]:
         print(f"{r['engine']:12} {r['trainer']:14} " + " ".join(f"{r[k]:>17.3e}" for k in keys))
-    print(f"{'bf16 / fp16, matched':27} " + " ".join(f"{ratio[k]:>17.1f}" if k in ratio else f"{'-':>17}" for k in keys))
+    ratio = result["bf16_over_fp16"]
+    print(f"{'bf16 / fp16, matched':27} " + " ".join(f"{ratio[k]:>17.1f}" for k in keys))
+    print(f"\nthe engine against itself: decode (KV cache) vs prefill of the same tokens\n{'engine':27} {head}")
+    for r in result["self_rows"]:
+        print(f"{r['engine']:27} " + " ".join(f"{r[k]:>17.3e}" for k in keys))
+    print(f"\npaired: the fp32 engine's {result['tokens_per_engine']} tokens, every engine's prefill against every trainer;"
+          f" mean |d| over the bf16 row's [95 % bootstrap]\n{'engine':12} {'trainer':14} {head} {'over bf16':>24}")
+    for r in result["paired_rows"]:
+        o = r["over_bf16"]
+        print(f"{r['engine']:12} {r['trainer']:14} " + " ".join(f"{r[k]:>17.3e}" for k in keys)
+              + f" {o['ratio']:>7.3f} [{o['ci95'][0]:.3f}, {o['ci95'][1]:.3f}]")
     print("\nthe cost: engine sampling, tokens/s (and against bf16); trainer forward + backward of 512 sequences")
+    speed, cost = result["engine_tokens_per_s"], result["trainer_fwd_bwd_s"]
     for eng in ENGINES:
         print(f"engine  {eng:12} {speed[eng]:>9.0f} tokens/s  {speed[eng] / speed['bf16']:5.2f}x")
     for tr, seconds in cost.items():
         print(f"trainer {tr:12} {seconds:>9.2f} s         {seconds / cost['bf16']:5.2f}x")
-    return result
 
 def time_fwd_bwd(model, mode, idx, device):  # seconds for one forward + backward
     t0 = time.perf_counter()
@@ -140,8 +190,8 @@ def scaler(args, engine=None):
     2**24 overflows to inf."""
     ckpt, model, device, get_engine = setup(args, engine)
     train_batch = task.make_splits(args.seed, args.n_items, tg.N_EVAL)[1]
-    idx, mask, mu, adv = batch_of(args, f"{args.rl_seed}-0", get_engine("fp16"), args.seed, train_batch, device)
-    seq_weight, denom = tg.loss_normaliser(mask, "grpo", False, args.max_new_tokens)
+    batch = tg.rollout(get_engine("fp16"), train_batch, args, 0, device)
+    norm = tg.loss_norm(batch.mask, "grpo", False, args.max_new_tokens)
 
     def grad(name, scale):
         """(the logits' gradient as the backward's first 16-bit tensor holds it, still scaled; the
@@ -152,8 +202,8 @@ def scaler(args, engine=None):
             logits = forward(x)
             logits.register_hook(lambda g: seen.update(logits=g))  # returns None: g goes on unchanged
             return logits
-        logp = token_logprobs(forward_keeping_logit_grad, idx)
-        loss = tg.grpo_loss(logp, logp.detach(), mu, adv, mask, seq_weight, denom)[0]  # ratio 1: the plain policy gradient
+        logp = token_logprobs(forward_keeping_logit_grad, batch.idx)
+        loss = tg.grpo_loss(logp, logp.detach(), batch, norm)[0]  # ratio 1: the plain policy gradient
         g = flat_grad(model, loss * scale) / scale  # the backward fills seen["logits"]
         return seen["logits"], g
 
@@ -170,8 +220,9 @@ def scaler(args, engine=None):
         finite = bool(torch.isfinite(g).all())
         rows.append({"dtype": name, "loss_scale": scale, "finite": finite, "logit_grad_zero": zero, "logit_grad_underflow": sub,
                      "weight_grad_zero": underflow(g, exact)[0], "rel_error": ((g - exact).norm() / exact.norm()).item() if finite else None})
-    result = {"experiment": "scaler", "checkpoint": ckpt, "machine": machine(), "sequences": len(adv), "tokens": int(mask.sum()), "rows": rows}
-    print(f"\nthe policy gradient of one GRPO batch ({len(adv)} sequences, {result['tokens']} tokens) on {ckpt}\n"
+    result = {"experiment": "scaler", "checkpoint": ckpt, "machine": machine(), "sequences": len(batch.adv),
+              "tokens": int(batch.mask.sum()), "rows": rows}
+    print(f"\nthe policy gradient of one GRPO batch ({len(batch.adv)} sequences, {result['tokens']} tokens) on {ckpt}\n"
           f"{machine_line(result['machine'])}\nagainst float32's; of the entries non-zero there, the share stored as 0 (or as 0"
           f" or a subnormal)\n\n{'trainer':8} {'scale':>9} {'logit grad 0':>13} {'0 or subn.':>11} {'weight grad 0':>14} {'rel. error':>11}")
     for r in rows:
@@ -208,18 +259,19 @@ def bias_statistics(G_dd, G_gg, G_dg):
       eg2       |E g|^2, the same for g
       sigma2    tr Cov g, one step's noise in all directions
       b_dot_eg  E d . E g = mean over j != k of d_j . g_k  (d and g of one batch share its noise)
-      noise_along_b  Var(g . b_hat), b_hat from the even batches, the variance over the odd ones, and
-                     the other way round (averaged): the noise in the one direction the bias pushes."""
+      noise_along_b  Var_k(g_k . b_hat_k), b_hat_k the direction of the other batches' d summed: the
+                     noise in the one direction the bias pushes, each batch measured against a
+                     direction it did not help estimate (the same for every order of the batches)."""
     K = G_dd.shape[0]
     off = ~torch.eye(K, dtype=torch.bool)
     pair = lambda G: G[off].mean().item()  # noqa: E731
     sigma2 = (G_gg.trace() - G_gg.sum() / K).item() / (K - 1)
     along = []
-    for a, b in ((torch.arange(0, K, 2), torch.arange(1, K, 2)), (torch.arange(1, K, 2), torch.arange(0, K, 2))):
-        d_a = G_dd[a][:, a].sum().sqrt()  # |sum of d over half a|
-        proj = G_dg[a][:, b].sum(0) / d_a  # g_k . b_hat for each k in half b
-        along.append(proj.var().item())
-    return {"b2": pair(G_dd), "eg2": pair(G_gg), "sigma2": sigma2, "b_dot_eg": pair(G_dg), "noise_along_b": sum(along) / 2}
+    for k in range(K):
+        others = torch.arange(K) != k
+        along.append((G_dg[others, k].sum() / G_dd[others][:, others].sum().sqrt()).item())
+    return {"b2": pair(G_dd), "eg2": pair(G_gg), "sigma2": sigma2, "b_dot_eg": pair(G_dg),
+            "noise_along_b": float(np.var(along, ddof=1))}
 
 def derived(s):
     """The audit's figures from bias_statistics: |b|, |b| / sigma, cos(b, E g), and the steps after
@@ -233,31 +285,35 @@ def derived(s):
             "steps_along": s["noise_along_b"] / s["b2"] if s["b2"] > 0 else None}
 
 def jackknife(G_dd, G_gg, G_dg):
-    """Each figure with a 95 % interval: the jackknife over batches (leave one out, K times) of the raw
-    statistics, t-quantile with K - 1 degrees of freedom; figures then follow from the interval's ends."""
+    """Every statistic and every figure derived from it, each with its own 95 % jackknife interval:
+    the figure itself recomputed with one batch left out (K times), s.e. from their spread, t quantile
+    with K - 1 degrees of freedom. A figure undefined in some leave-one-out (|b|^2 <= 0 there) gets
+    no interval. A bias is resolved when the interval of |b|^2 excludes 0."""
     K = G_dd.shape[0]
-    full = bias_statistics(G_dd, G_gg, G_dg)
-    leave = [bias_statistics(*(G[keep][:, keep] for G in (G_dd, G_gg, G_dg)))
-             for keep in (torch.arange(K) != i for i in range(K))]
-    ci = {}
-    for k in full:
-        values = torch.tensor([s[k] for s in leave], dtype=torch.float64)
-        se = math.sqrt((K - 1) / K * ((values - values.mean()) ** 2).sum().item())
-        ci[k] = (full[k] - t_quantile(K - 1) * se, full[k] + t_quantile(K - 1) * se)
-    b_lo, b_hi = (math.sqrt(max(x, 0.0)) for x in ci["b2"])
-    out = {**full, **derived(full), "b2_ci": ci["b2"], "bias_norm_ci": (b_lo, b_hi), "resolved": ci["b2"][0] > 0,
-           "bias_over_noise_ci": (b_lo / math.sqrt(ci["sigma2"][1]), b_hi / math.sqrt(max(ci["sigma2"][0], 1e-300)))}
-    if out["resolved"]:  # more bias -> fewer steps: the interval's ends swap
-        out["steps_upper_ci"] = (ci["sigma2"][0] / ci["b2"][1], ci["sigma2"][1] / ci["b2"][0])
-        out["steps_along_ci"] = (ci["noise_along_b"][0] / ci["b2"][1], ci["noise_along_b"][1] / ci["b2"][0])
+
+    def figures(keep):
+        s = bias_statistics(*(G[keep][:, keep] for G in (G_dd, G_gg, G_dg)))
+        return {**s, **derived(s)}
+    full = figures(torch.ones(K, dtype=torch.bool))
+    leave = [figures(torch.arange(K) != i) for i in range(K)]
+    out = dict(full)
+    for k, v in full.items():
+        values = [s[k] for s in leave]
+        if v is None or None in values:
+            continue
+        values = np.array(values)
+        se = math.sqrt((K - 1) / K * ((values - values.mean()) ** 2).sum())
+        out[k + "_ci"] = (v - t_quantile(K - 1) * se, v + t_quantile(K - 1) * se)
+    out["resolved"] = out["b2_ci"][0] > 0
     return out
 
 def audit(args, engine=None):
-    """For each dtype (engine and trainer in it), --batches independent batches of the engine's samples:
-    g (GRPO's gradient) and d (its bias, audit_losses) per batch, through the float32 forward at the same
-    weights, so d holds the mismatch alone (where the samples came from, and how pi weighs them), not
-    the 16-bit backward's rounding (`scaler` measures that). The K vectors of each kind are kept, and
-    their Gram matrices give every figure and its interval (bias_statistics, jackknife)."""
+    """For each dtype (engine and trainer in it), --batches independent batches of the engine's samples
+    (the RL run's first --batches rollouts, at fixed weights): g (GRPO's gradient) and d (its bias,
+    audit_losses) per batch, through the float32 forward at the same weights, so d holds the mismatch
+    alone (where the samples came from, and how pi weighs them), not the 16-bit backward's rounding
+    (`scaler` measures that). The K vectors of each kind are kept; their Gram matrices give every figure
+    and its interval (bias_statistics, jackknife)."""
     ckpt, model, device, get_engine = setup(args, engine)
     train_batch = task.make_splits(args.seed, args.n_items, tg.N_EVAL)[1]
     params = list(model.parameters())
@@ -266,18 +322,17 @@ def audit(args, engine=None):
         prec, llm = get_precision(name, device=device), get_engine(name)
         gs, ds, pis, diffs, k3, dev = [], [], [], [], [], []
         for k in range(args.batches):  # the same prompts and random numbers for every dtype
-            seed = tg.stream_seed(args.rl_seed, tg.AUDIT_STREAM, k)
-            idx, mask, mu, adv = batch_of(args, f"{args.rl_seed}-audit-{k}", llm, seed, train_batch, device)
+            b = tg.rollout(llm, train_batch, args, k, device)
             with torch.no_grad():
-                pi = token_logprobs(prec.forward(model), idx)  # the trainer's pi, in the run's dtype
-            J, J_bias, w = audit_losses(token_logprobs(model, idx), pi, mu, adv, mask, mask.sum())
+                pi = token_logprobs(prec.forward(model), b.idx)  # the trainer's pi, in the run's dtype
+            J, J_bias, w = audit_losses(token_logprobs(model, b.idx), pi, b.mu_logp, b.adv, b.mask, b.mask.sum())
             gs.append(torch.cat([x.flatten() for x in torch.autograd.grad(J, params, retain_graph=True)]).double())
             ds.append(torch.cat([x.flatten() for x in torch.autograd.grad(J_bias, params)]).double())
             dev.append((w - 1).abs().mean().item())
-            metrics = mismatch_metrics(mu, pi, mask)
+            metrics = mismatch_metrics(b.mu_logp, pi, b.mask)
             k3.append((metrics["mismatch_k3"], metrics["mismatch_logp_abs_mean"]))
-            pis.append(pi[mask.bool()].exp())
-            diffs.append((mu - pi)[mask.bool()].double())
+            pis.append(pi[b.mask.bool()].exp())
+            diffs.append((b.mu_logp - pi)[b.mask.bool()].double())
         G, D = torch.stack(gs), torch.stack(ds)  # float64 Gram matrices: the pairwise products are small differences
         stats = jackknife(D @ D.T, G @ G.T, D @ G.T)
         rows.append({"dtype": name, "batches": args.batches, **stats, "seq_weight_abs_dev": sum(dev) / len(dev),
@@ -289,7 +344,7 @@ def audit(args, engine=None):
             buckets.append({"dtype": name, "pi": f"{lo}-{hi}", "tokens": n, "mean_signed": d_all[sel].mean().item() if n else None,
                             "signed_se": (d_all[sel].std() / math.sqrt(n)).item() if n > 1 else None,
                             "mean_abs": d_all[sel].abs().mean().item() if n else None})
-    result = {"experiment": "audit", "checkpoint": ckpt, "machine": machine(), "response_tokens": args.max_new_tokens,
+    result = {"experiment": "audit", "checkpoint": ckpt, "machine": machine(), "max_new_tokens": args.max_new_tokens,
               "sequences_per_batch": args.batch_size * args.group_size, "rows": rows, "by_pi": buckets}
     print_audit(result)
     return result
@@ -300,15 +355,15 @@ def fmt(x, spec=".1e"):
 def print_audit(result):
     print(f"\ngradient-bias audit on {result['checkpoint']}: {result['rows'][0]['batches']} batches x "
           f"{result['sequences_per_batch']} sequences per dtype\n{machine_line(result['machine'])}\n95 % jackknife "
-          f"intervals over batches; a bias is resolved when the interval of |b|^2 excludes 0\n")
-    ci = lambda r, k: f"[{fmt(r[k][0])}, {fmt(r[k][1])}]" if k in r else "-"  # noqa: E731
+          f"intervals over batches, each figure's own; a bias is resolved when the interval of |b|^2 excludes 0\n")
+    ci = lambda r, k: f"[{fmt(r[k + '_ci'][0])}, {fmt(r[k + '_ci'][1])}]" if k + "_ci" in r else "-"  # noqa: E731
     print(f"{'dtype':5} {'|b|':>7} {'[95% CI]':>19} {'sigma':>6} {'|b|/sigma':>9} {'[95% CI]':>19} {'cos(b,Eg)':>9} "
           f"{'steps (upper)':>13} {'[95% CI]':>19} {'steps (along b)':>15} {'[95% CI]':>19} {'|log mu-log pi|':>15}")
     for r in result["rows"]:
-        print(f"{r['dtype']:5} {r['bias_norm']:>7.1e} {ci(r, 'bias_norm_ci'):>19} {math.sqrt(r['sigma2']):>6.3f} "
-              f"{r['bias_over_noise']:>9.1e} {ci(r, 'bias_over_noise_ci'):>19} {fmt(r['cos_bias_grad'], '+.2f'):>9} "
-              f"{fmt(r['steps_upper']):>13} {ci(r, 'steps_upper_ci'):>19} {fmt(r['steps_along']):>15} "
-              f"{ci(r, 'steps_along_ci'):>19} {r['mismatch_logp_abs_mean']:>15.2e}")
+        print(f"{r['dtype']:5} {r['bias_norm']:>7.1e} {ci(r, 'bias_norm'):>19} {math.sqrt(r['sigma2']):>6.3f} "
+              f"{r['bias_over_noise']:>9.1e} {ci(r, 'bias_over_noise'):>19} {fmt(r['cos_bias_grad'], '+.2f'):>9} "
+              f"{fmt(r['steps_upper']):>13} {ci(r, 'steps_upper'):>19} {fmt(r['steps_along']):>15} "
+              f"{ci(r, 'steps_along'):>19} {r['mismatch_logp_abs_mean']:>15.2e}")
     print("\nper token, by the trainer's probability pi: tokens, mean (log mu - log pi), its s.e.s, mean |log mu - log pi|")
     for bucket in dict.fromkeys(b["pi"] for b in result["by_pi"]):
         print(f"{bucket:9} " + " ".join(f"{c['dtype']} {c['tokens']:>7} {fmt(c['mean_signed'], '+.2e'):>10} "
@@ -316,12 +371,33 @@ def print_audit(result):
                                          f"{fmt(c['mean_abs'], '.2e'):>9} |" for c in result["by_pi"] if c["pi"] == bucket))
 
 # ---------------------------------------------------------------------------------------------------
+# 4. Held-out accuracy, read the same way for every run
+
+def heldout(args, engine=None):
+    """A policy's held-out accuracy read by one fp32 engine, whatever dtype trained it (each run's own
+    engine reads identical weights differently: bf16's lower), --samples samples of every held-out
+    problem at temperature 1, the same random numbers for every policy of one seed (paired). The
+    standard error is over problems (ddof 1): samples of one problem are not independent."""
+    ckpt, model, device, get_engine = setup(args, engine)
+    problems = task.make_splits(args.seed, args.n_items, tg.N_EVAL)[0]
+    torch.manual_seed(task.seed_of("heldout", args.seed))
+    samples = generate(get_engine("fp32"), held_out_prompts(args), args.samples, args.max_new_tokens, task.EOS_ID)
+    right = np.array([task.reward(s.response_ids, a) for s, (_, a) in zip(samples, [p for p in problems for _ in range(args.samples)])])
+    per_problem = right.reshape(len(problems), args.samples).mean(1)
+    result = {"experiment": "heldout", "checkpoint": ckpt, "machine": machine(), "problems": len(problems),
+              "samples_per_problem": args.samples, "accuracy": float(per_problem.mean()),
+              "se": float(per_problem.std(ddof=1) / math.sqrt(len(problems)))}
+    print(f"held-out accuracy of {ckpt} (fp32 engine, {len(problems)} problems x {args.samples}): "
+          f"{result['accuracy']:.4f} +- {result['se']:.4f}")
+    return result
+
+# ---------------------------------------------------------------------------------------------------
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description="the offline experiments: mismatch, scaler, audit (the gradient-bias audit)",
+    p = argparse.ArgumentParser(description="the offline experiments: mismatch, scaler, audit, heldout",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.error = lambda message: p.exit(2, f"error: {message}\n")  # one line, exit 2
-    p.add_argument("experiment", choices=["mismatch", "scaler", "audit"], help="which experiment (the docstring)")
+    p.add_argument("experiment", choices=["mismatch", "scaler", "audit", "heldout"], help="which experiment (the docstring)")
     p.add_argument("--init", default=None, help="the weights: a checkpoint folder (default: the warm start)")
     p.add_argument("--seed", type=int, default=0, help="the task's splits and warm start, and the engine's sampling")
     p.add_argument("--rl-seed", type=int, default=0, help="scaler, audit: the batches' prompts and sampling")
@@ -329,9 +405,10 @@ def get_args(argv=None):
     p.add_argument("--group-size", type=tg.bounded(int, 2), default=8, help="samples per prompt")
     p.add_argument("--batch-size", type=tg.bounded(int, 1), default=64, help="scaler, audit: prompts per batch")
     p.add_argument("--batches", type=tg.bounded(int, 5), default=20, help="audit: independent batches (K) per dtype, >= 5")
+    p.add_argument("--samples", type=tg.bounded(int, 1), default=8, help="heldout: samples of each held-out problem")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
-    args.max_new_tokens = 2 * args.n_items + 8
+    args.max_new_tokens, args.dr_grpo = 2 * args.n_items + 8, False
     try:
         load_hf(args.init) if args.init else None
     except ValueError as e:
@@ -342,7 +419,7 @@ def get_args(argv=None):
 
 def main(argv=None, engine=None):
     args = get_args(argv)
-    result = {"mismatch": mismatch, "scaler": scaler, "audit": audit}[args.experiment](args, engine)
+    result = {"mismatch": mismatch, "scaler": scaler, "audit": audit, "heldout": heldout}[args.experiment](args, engine)
     if args.json:
         tg.write_atomic(args.json, json.dumps(result, indent=1))
         print(f"\nwritten to {args.json}")

@@ -19,7 +19,8 @@ def probe_argv(experiment, *extra):
 
 def test_offline_probe_with_the_fixes_rows(engine, warm_dir, monkeypatch):
     """Every engine x trainer pair on the (tiny) warm start, on 32 held-out prompts: the matched 16-bit
-    rows order as the formats' precision says; the fp32 LM head, on both sides, brings bf16 closer."""
+    rows order as the formats' precision says; on identical tokens (paired), bf16 against bf16 is the
+    unit and fp16's mismatch is a fraction of it; the fp32 engine agrees with itself (decode, prefill)."""
     out = os.path.join(warm_dir, "probe.json")
     probe.main(probe_argv("mismatch", "--json", out), engine)
     result = json.load(open(out))
@@ -28,13 +29,27 @@ def test_offline_probe_with_the_fixes_rows(engine, warm_dir, monkeypatch):
     k3 = {pair: r["mismatch_k3"] for pair, r in rows.items()}
     assert k3[("fp32", "fp32")] * 100 <= k3[("fp16", "fp16")] < k3[("bf16", "bf16")], k3
     assert k3[("bf16", "fp32")] > k3[("fp16", "fp32")] > k3[("fp32", "fp32")], k3  # engine-side rounding alone
-    assert k3[("bf16+head32", "bf16+head32")] < k3[("bf16", "bf16")], k3
-    assert result["bf16_over_fp16"]["mismatch_k3"] == k3[("bf16", "bf16")] / k3[("fp16", "fp16")]
-    assert set(result["engine_tokens_per_s"]) == set(probe.ENGINES) and all(v > 0 for v in result["engine_tokens_per_s"].values())
-    assert result["trainer_fwd_bwd_s"]["bf16"] > 0
+    paired = {(r["engine"], r["trainer"]): r["over_bf16"] for r in result["paired_rows"]}
+    assert set(paired) == set(rows)
+    assert paired[("bf16", "bf16")]["ratio"] == pytest.approx(1.0)
+    assert paired[("fp16", "fp16")]["ci95"][1] < 1 and paired[("fp32", "fp32")]["ratio"] < 0.01
+    lo, hi = paired[("bf16+head32", "bf16+head32")]["ci95"]
+    assert lo <= paired[("bf16+head32", "bf16+head32")]["ratio"] <= hi
+    self_rows = {r["engine"]: r for r in result["self_rows"]}
+    assert set(self_rows) == set(probe.ENGINES) and self_rows["fp32"]["mismatch_logp_abs_mean"] < 1e-6
+    assert set(result["engine_tokens_per_s"]) == set(probe.ENGINES) and set(result["trainer_fwd_bwd_s"]) == set(probe.COSTED)
     png = os.path.join(warm_dir, "probe.png")
     plot.main(["probe", out, "--out", png])
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_heldout_reads_any_policy_with_one_fp32_engine(engine, warm_dir):
+    """The same policy read twice gives the same figure (the sampling is seeded); its s.e. is over
+    problems, and with every sample wrong or right it is 0."""
+    a = probe.main(["heldout", "--samples", "2"], engine)
+    b = probe.main(["heldout", "--samples", "2"], engine)
+    assert a["accuracy"] == b["accuracy"] and a["problems"] == 32 and a["samples_per_problem"] == 2
+    assert 0 <= a["accuracy"] <= 1 and (a["se"] > 0) == (0 < a["accuracy"] < 1)
 
 
 def test_fp16_backward_loses_gradient_to_underflow_without_loss_scaling(engine, varied_reward):
@@ -74,10 +89,13 @@ def test_bias_statistics_by_hand():
     assert s["b2"] == pytest.approx(sum((d[j] @ d[k]).item() for j, k in pairs) / 12)
     assert s["b_dot_eg"] == pytest.approx(sum((d[j] @ g[k]).item() for j, k in pairs) / 12)
     assert s["sigma2"] == pytest.approx(((g - g.mean(0)) ** 2).sum().item() / 3)
-    # noise along b: b_hat from batches 0, 2 is (1, 2)/sqrt 5; g . b_hat over batches 1, 3: -1/sqrt5, 4/sqrt5
-    even_odd = torch.tensor([-1 / math.sqrt(5), 4 / math.sqrt(5)]).var().item()
-    odd_even = torch.tensor([1 / math.sqrt(13), 6 / math.sqrt(13)]).var().item()  # b_hat (3, -2)/sqrt13; g 0 and 2
-    assert s["noise_along_b"] == pytest.approx((even_odd + odd_even) / 2)
+    # noise along b: each batch's g against the other three batches' summed d, e.g. batch 2: d_0 + d_1 + d_3
+    # = (4, -2), g_2 . (4, -2) / sqrt 20 = 8 / sqrt 20; then the variance (ddof 1) over the four batches
+    along = [1.0, 1.0, 8 / math.sqrt(20), 4 / math.sqrt(20)]
+    assert s["noise_along_b"] == pytest.approx(torch.tensor(along).var().item())
+    relabelled = torch.tensor([2, 0, 3, 1])  # the same batches in another order: the same figure
+    s2 = probe.bias_statistics(*((x[relabelled] @ y[relabelled].T) for x, y in ((d, d), (g, g), (d, g))))
+    assert s2["noise_along_b"] == pytest.approx(s["noise_along_b"])
     assert probe.t_quantile(19) == pytest.approx(2.093, abs=1e-3) and probe.t_quantile(11) == pytest.approx(2.201, abs=3e-3)
     assert probe.t_quantile(2) == 4.303
 
@@ -87,7 +105,37 @@ def test_audit_orders_the_dtypes_and_reports_intervals(engine, varied_reward):
     rows = {r["dtype"]: r for r in result["rows"]}
     for r in rows.values():
         assert r["sigma2"] > 0 and r["b2_ci"][0] <= r["b2"] <= r["b2_ci"][1]
+        assert r["sigma2_ci"][0] <= r["sigma2"] <= r["sigma2_ci"][1]
         assert r["resolved"] == (r["b2_ci"][0] > 0)
     assert rows["bf16"]["mismatch_logp_abs_mean"] > rows["fp16"]["mismatch_logp_abs_mean"] > rows["fp32"]["mismatch_logp_abs_mean"]
     assert not rows["fp32"]["resolved"] or rows["fp32"]["bias_norm"] < 1e-4 * math.sqrt(rows["fp32"]["sigma2"])
     assert {b["pi"] for b in result["by_pi"]} == {"0.0-0.01", "0.01-0.1", "0.1-0.5", "0.5-0.9", "0.9-1.0"}
+
+
+def test_campaign_runs_once_skips_what_is_done_and_resumes(warm_dir, tmp_path):
+    """The runner in fresh processes on a one-run plan: the run's small files land in
+    results/<machine>/NAME; run again, nothing runs; with its results gone but its checkpoint there,
+    it is resumed (no step redone) and its files come back identical."""
+    import subprocess
+    import sys
+    from conftest import ROOT, tiny_args
+    import train_grpo
+    from experiments import campaign
+    from precision import machine
+    args = tiny_args(warm_dir, "--out", os.path.join(warm_dir, "campaign-source"))
+    init = train_grpo.warm_start(train_grpo.model_config(args.n_items, args.max_new_tokens), args.n_items, 0, "cpu")
+    cmd = [sys.executable, "experiments/campaign.py", "--plan", "smoke", "--seeds", "0", "--samples", "1",
+           "--runs", str(tmp_path / "runs"), "--results", str(tmp_path / "results"),
+           "--", "--steps", "2", "--batch-size", "4", "--group-size", "4", "--init", init]
+    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    kept = tmp_path / "results" / campaign.machine_group(machine()) / "grpo-fp32-s0"
+    assert "1 runs, 0 done" in first and sorted(os.listdir(kept)) == ["args.json", "heldout.json", "metrics.jsonl"]
+    metrics = (kept / "metrics.jsonl").read_text()
+    assert [json.loads(r)["step"] for r in metrics.splitlines()] == [0, 1]
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "1 runs, 1 done" in again and "[1/1]" not in again
+    for f in os.listdir(kept):
+        os.remove(kept / f)
+    os.rmdir(kept)
+    resumed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "resuming" in resumed and (kept / "metrics.jsonl").read_text() == metrics

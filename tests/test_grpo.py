@@ -14,16 +14,22 @@ from conftest import rl, tiny_args
 from experiments import plot
 from model import GPT, GPTConfig, token_logprobs
 from precision import get_precision, mismatch_metrics
-from train_grpo import Batch, group_advantages, grpo_loss, loss_normaliser, loss_stats, unscale_clip_step
+from train_grpo import Batch, group_advantages, grpo_loss, loss_norm, loss_stats, optimizer_step
 
 # Two sequences of three response tokens; the second one's last token is padding.
 MASK = torch.tensor([[1., 1., 1.], [1., 1., 0.]])
 ADV = torch.tensor([1.0, -1.0])
 
 
+def rows_of(mu, adv, mask):
+    return Batch(None, mask, mu, adv, {})
+
+
 def loss_of(logp, old, mu, adv, mask, algorithm="grpo", cap=None, bypass=False, dr_grpo=False, budget=None):
-    seq_weight, denom = loss_normaliser(mask, algorithm, dr_grpo, budget)
-    return grpo_loss(logp, old, mu, adv, mask, seq_weight, denom, algorithm=algorithm, cap=cap, bypass=bypass)
+    """(loss, parts) of grpo_loss, with the algorithm's own cap unless one is given."""
+    norm = loss_norm(mask, algorithm, dr_grpo, budget)
+    cap = train_grpo.CAPS.get(algorithm) if cap is None else cap
+    return grpo_loss(logp, old, rows_of(mu, adv, mask), norm, algorithm, cap, bypass)
 
 
 def test_group_advantages():
@@ -37,7 +43,7 @@ def test_ppo_clipping_both_sides_masking_and_token_mean():
     old = torch.log(torch.tensor([[0.2, 0.4, 0.5], [0.2, 0.4, 0.5]]))
     ratio = torch.tensor([[1.5, 0.5, 1.0], [1.5, 0.5, 1.0]])
     logp = (old + ratio.log()).requires_grad_()
-    loss, _, _ = loss_of(logp, old, old, ADV, MASK)
+    loss, _ = loss_of(logp, old, old, ADV, MASK)
     # A=+1: -min(r, clip r) = -1.2, -0.5, -1.0 ; A=-1: -min(-r, -clip r) = 1.5, 0.8, (masked)
     assert loss.item() == pytest.approx((-1.2 - 0.5 - 1.0 + 1.5 + 0.8) / 5, abs=1e-6)
     loss.backward()
@@ -60,10 +66,10 @@ def test_leaving_out_zero_advantage_sequences_keeps_the_loss_and_gradient():
     mask, adv = torch.tensor([[1., 1., 1.], [1., 1., 0.], [1., 0., 0.]]), torch.tensor([1.0, 0.0, -2.0])
     full = old.clone().requires_grad_()
     loss_of(full, old, old, adv, mask)[0].backward()
-    keep = adv != 0
-    seq_weight, denom = loss_normaliser(mask, "grpo", False, None)
+    keep = train_grpo.with_advantage(adv)
+    norm = loss_norm(mask, "grpo", False, None)
     part = old[keep].clone().requires_grad_()
-    loss = grpo_loss(part, old[keep], old[keep], adv[keep], mask[keep], seq_weight[keep], denom)[0]
+    loss = grpo_loss(part, old[keep], rows_of(old[keep], adv[keep], mask[keep]), norm[keep])[0]
     loss.backward()
     assert loss.item() == pytest.approx(loss_of(old, old, old, adv, mask)[0].item(), abs=1e-7)
     assert torch.allclose(part.grad, full.grad[keep]) and torch.count_nonzero(full.grad[~keep]) == 0
@@ -89,45 +95,48 @@ def test_mis_drops_sequences_whose_weight_exceeds_the_cap():
 W_TOK = torch.tensor([[1.5, 0.5, 1.0], [1.0, 1.5, 9.0]])
 
 
-def test_bypass_token_tis_weights_by_pi_theta_over_mu():
-    """With pi_old = mu, pi_old / mu = 1 would silently switch the correction off; verl's bypass mode
-    weights by pi_theta / mu. Here the PPO ratio is pi_theta / mu too."""
+def test_bypass_ppo_ratio_is_pi_theta_over_mu_and_token_tis_is_refused(capsys):
+    """With pi_old = mu the PPO ratio already is pi_theta / mu: the correction. A further token
+    weight min(pi_theta / mu, C) would weight each token by about (pi / mu)^2 (the old defect)."""
     logp = torch.log(torch.full((2, 3), 0.3))
     mu = logp - W_TOK.log()
-    loss, ratio, w = loss_of(logp, mu, mu, ADV, MASK, algorithm="token-tis", bypass=True)  # C = 2
-    # A=+1: -min(r, clip r) = -[1.2, 0.5, 1.0], times min(w, 2) = [1.5, 0.5, 1.0] -> -[1.8, 0.25, 1.0]
-    # A=-1: max(r, clip r) = [1.0, 1.5], times w = [1.0, 1.5] -> [1.0, 2.25]
-    assert loss.item() == pytest.approx((-1.8 - 0.25 - 1.0 + 1.0 + 2.25) / 5, abs=1e-6)
-    assert torch.allclose(w * MASK, W_TOK * MASK)
-    stats = loss_stats(ratio, w, ADV, MASK, "token-tis", None)
-    assert stats["is_weight_mean"] == pytest.approx((1.5 + 0.5 + 1.0 + 1.0 + 1.5) / 5)  # response tokens only
-    assert stats["is_weight_max"] == pytest.approx(1.5)  # the padding's 9.0 is not counted
-    without = loss_of(logp, mu, mu, ADV, MASK, algorithm="token-tis")  # the defect: every weight exp(mu - mu) = 1
-    assert torch.allclose(without[2], torch.ones(2, 3)) and without[0].item() != pytest.approx(loss.item())
+    loss, parts = loss_of(logp, mu, mu, ADV, MASK, bypass=True)
+    # A=+1: -min(r, clip r) = -[1.2, 0.5, 1.0]; A=-1: max(r, clip r) = [1.0, 1.5] (9.0 is padding)
+    assert loss.item() == pytest.approx((-1.2 - 0.5 - 1.0 + 1.0 + 1.5) / 5, abs=1e-6)
+    assert torch.allclose(parts["ratio"] * MASK, W_TOK * MASK)
+    with pytest.raises(SystemExit) as e:
+        train_grpo.get_args(["--algorithm", "token-tis", "--behavior-logp", "engine"])
+    assert e.value.code == 2 and "count it twice" in capsys.readouterr().err
 
 
-def test_bypass_seq_mis_weights_by_pi_theta_over_mu():
+def test_bypass_seq_mis_keeps_only_its_rejection_mask():
+    """seq-mis in bypass: PPO-clip on pi_theta / mu, each sequence kept whole or dropped by
+    1[prod_t pi_theta / mu <= C]; no weight on top of the ratio."""
     logp = torch.log(torch.full((2, 3), 0.3))
     mu = logp - W_TOK.log()
-    loss, _, w = loss_of(logp, mu, mu, ADV, MASK, algorithm="seq-mis", bypass=True)  # C = 10
-    # sequence weights 1.5 * 0.5 * 1.0 = 0.75 and 1.0 * 1.5 = 1.5 (the padding's 9.0 excluded)
-    assert torch.allclose(w.squeeze(1), torch.tensor([0.75, 1.5]))
-    assert loss.item() == pytest.approx((-(1.2 + 0.5 + 1.0) * 0.75 + (1.0 + 1.5) * 1.5) / 5, abs=1e-6)
+    loss, parts = loss_of(logp, mu, mu, ADV, MASK, algorithm="seq-mis", bypass=True, cap=1.2)
+    # sequence weights 1.5 * 0.5 * 1.0 = 0.75 (kept) and 1.0 * 1.5 = 1.5 > 1.2 (dropped)
+    assert torch.allclose(parts["is_weight"].squeeze(1), torch.tensor([0.75, 1.5]))
+    assert loss.item() == pytest.approx(-(1.2 + 0.5 + 1.0) / 5, abs=1e-6)
+    loose = loss_of(logp, mu, mu, ADV, MASK, algorithm="seq-mis", bypass=True)[0]  # C = 10
+    assert loose.item() == pytest.approx(loss_of(logp, mu, mu, ADV, MASK, bypass=True)[0].item())
+    stats = loss_stats(parts, ADV, MASK, "seq-mis")
+    assert stats["is_capped_frac"] == 0.5 and stats["is_weight_max"] == pytest.approx(1.5)
 
 
 def test_pg_seq_is_weights_each_sequence_by_its_truncated_importance_ratio():
     """Plain policy gradient: loss = -sum_i w_i A_i sum_t log pi / n_tokens, w_i = min(prod_t pi/mu, C)."""
     logp = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.4, 0.4, 0.9]])).requires_grad_()
     mu = logp.detach() - torch.tensor([[1.5, 1.0, 1.0], [2.0, 2.0, 7.0]]).log()  # the last one is padding
-    loss, ratio, w = loss_of(logp, logp.detach(), mu, ADV, MASK, algorithm="pg-seq-is")  # C = inf
+    loss, parts = loss_of(logp, logp.detach(), mu, ADV, MASK, algorithm="pg-seq-is")  # no cap
     assert loss.item() == pytest.approx(-(1.5 * 3 * math.log(0.5) - 4.0 * 2 * math.log(0.4)) / 5, abs=1e-6)
     loss.backward()
     assert torch.allclose(logp.grad, -(torch.tensor([1.5, 4.0]) * ADV)[:, None] * MASK / 5, atol=1e-6)  # w carries no gradient
-    stats = loss_stats(ratio, w, ADV, MASK, "pg-seq-is", None)
+    stats = loss_stats(parts, ADV, MASK, "pg-seq-is")
     assert stats["is_weight_max"] == pytest.approx(4.0) and stats["is_capped_frac"] == 0
-    truncated, ratio, w = loss_of(logp, logp.detach(), mu, ADV, MASK, algorithm="pg-seq-is", cap=2.0)
+    truncated, parts = loss_of(logp, logp.detach(), mu, ADV, MASK, algorithm="pg-seq-is", cap=2.0)
     assert truncated.item() == pytest.approx(-(1.5 * 3 * math.log(0.5) - 2.0 * 2 * math.log(0.4)) / 5, abs=1e-6)
-    assert loss_stats(ratio, w, ADV, MASK, "pg-seq-is", 2.0)["is_capped_frac"] == 0.5
+    assert loss_stats(parts, ADV, MASK, "pg-seq-is")["is_capped_frac"] == 0.5
 
 
 def test_pg_seq_mis_drops_sequences_above_the_cap_instead():
@@ -142,13 +151,13 @@ def test_gspo_clips_one_length_normalised_ratio_per_sequence_and_averages_sequen
     # sequence 1 (A = +1): mean log-ratio 6e-4 > log(1 + 4e-4): clipped, no gradient;
     # sequence 2 (A = -1): mean log-ratio -1e-4, inside [1 - 3e-4, 1 + 4e-4]: not clipped.
     logp = (old + torch.tensor([[6e-4, 6e-4, 6e-4], [-1e-4, -1e-4, 5.0]])).requires_grad_()
-    loss, ratio, w = loss_of(logp, old, old, ADV, MASK, algorithm="gspo")
+    loss, parts = loss_of(logp, old, old, ADV, MASK, algorithm="gspo")
     s2 = math.exp(-1e-4)
     assert loss.item() == pytest.approx((-(1 + 4e-4) + s2) / 2, abs=1e-7)  # the mean over sequences of their means
     loss.backward()
     # d/dlogp of s2 / 2 with s2 = exp(mean of its 2 log-ratios): s2 / 2 * (1/2) per token
     assert torch.allclose(logp.grad, torch.tensor([[0., 0., 0.], [s2 / 4, s2 / 4, 0.]]), atol=1e-7)
-    stats = loss_stats(ratio, w, ADV, MASK, "gspo", None)
+    stats = loss_stats(parts, ADV, MASK, "gspo")
     assert stats["clip_frac_pos"] == 1.0 and stats["clip_frac_neg"] == 0.0 and stats["clip_seq_frac"] == 0.5
 
 
@@ -161,8 +170,7 @@ def test_gspo_weighs_sequences_of_different_lengths_the_same():
 
 
 def test_dr_grpo_divides_each_sequence_sum_by_the_generation_budget():
-    seq_weight, denom = loss_normaliser(MASK, "grpo", dr_grpo=True, max_new_tokens=8)
-    assert torch.equal(seq_weight, torch.ones(2, 1)) and denom.item() == 2 * 8
+    assert torch.equal(loss_norm(MASK, "grpo", dr_grpo=True, max_new_tokens=8), torch.full((2, 1), 1 / 16))
     old = torch.log(torch.full((2, 3), 0.3))
     loss = loss_of(old.clone(), old, old, ADV, MASK, dr_grpo=True, budget=8)[0]
     # ratio 1: -A per token; (-3 + 2) over 2 sequences x 8 tokens (not over the 5 tokens)
@@ -173,7 +181,8 @@ def test_clip_statistics_count_only_sequences_with_an_advantage():
     old = torch.log(torch.full((3, 3), 0.4))
     ratio = torch.tensor([[1.5, 1.0, 1.0], [1.0, 0.5, 1.0], [3.0, 3.0, 3.0]])
     mask, adv = torch.ones(3, 3), torch.tensor([1.0, -1.0, 0.0])  # the third has no gradient
-    stats = loss_stats(torch.exp(old + ratio.log() - old), None, adv, mask, "grpo", None)
+    _, parts = loss_of(old + ratio.log(), old, old, adv, mask)
+    stats = loss_stats(parts, adv, mask, "grpo")
     assert stats["clip_frac_pos"] == pytest.approx(1 / 3) and stats["clip_frac_neg"] == pytest.approx(1 / 3)
     assert stats["clip_seq_frac"] == 1.0 and stats["ratio_dev_max"] == pytest.approx(2.0)
 
@@ -189,7 +198,7 @@ def tiny_batch(n=8, T=10, seed=0):
 
 
 def test_a_minibatch_step_equals_the_steps_by_hand():
-    """--minibatches 2: the batch shuffled (stream_seed), split in two, one optimizer step each, with
+    """--minibatches 2: the batch shuffled (seed_of), split in two, one optimizer step each, with
     pi_old fixed at the rollout: the second mini-batch's ratio is measured against the rollout's pi."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_embd=64, n_head=2, n_hidden=96))
@@ -203,7 +212,7 @@ def test_a_minibatch_step_equals_the_steps_by_hand():
     opt, scaler = torch.optim.SGD(model.parameters(), lr=0.5), prec.grad_scaler()
     stats = train_grpo.grpo_step(model, opt, scaler, prec, batch, pi_old, args, step=5)
 
-    order = torch.randperm(8, generator=torch.Generator().manual_seed(train_grpo.stream_seed(3, train_grpo.MINIBATCH_STREAM, 5)))
+    order = torch.randperm(8, generator=torch.Generator().manual_seed(train_grpo.task.seed_of("minibatch", 3, 5)))
     twin_opt = torch.optim.SGD(twin.parameters(), lr=0.5)
     for rows in (order[:4], order[4:]):
         mask, a = batch.mask[rows], batch.adv[rows, None]
@@ -218,10 +227,31 @@ def test_a_minibatch_step_equals_the_steps_by_hand():
     assert stats["ratio_dev_max"] > 0  # the second mini-batch saw pi_theta move away from pi_old
 
 
-def optimizer_step(model, opt, scaler, loss):  # grpo_step's lines: zero, scaled backward, step
-    opt.zero_grad(set_to_none=True)
-    scaler.scale(loss).backward()
-    return unscale_clip_step(model, opt, scaler)
+def test_minibatches_are_m_parts_even_when_m_does_not_divide_the_rows():
+    """torch.chunk(4) of 6 rows gives 3 pieces; tensor_split gives 4 (2, 2, 1, 1), every row once."""
+    args = SimpleNamespace(minibatches=4, rl_seed=0)
+    parts = train_grpo.minibatch_rows(6, args, step=0)
+    assert [len(p) for p in parts] == [2, 2, 1, 1]
+    assert sorted(torch.cat(parts).tolist()) == list(range(6))
+
+
+def test_statistics_over_minibatches_are_the_whole_batchs():
+    """With 4 mini-batches the reported maximum importance weight is the batch's maximum (not a
+    mean of maxima) and the mean counts every response token once, as computed here directly."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_embd=64, n_head=2, n_hidden=96))
+    batch, prec = tiny_batch(), get_precision("fp32", device="cpu")
+    args = SimpleNamespace(algorithm="token-tis", dr_grpo=False, max_new_tokens=6, is_cap=2.0,
+                           behavior_logp="trainer", minibatches=4, rl_seed=0, out="-")
+    with torch.no_grad():
+        pi_old = token_logprobs(model, batch.idx)
+    opt, scaler = torch.optim.SGD(model.parameters(), lr=0.1), prec.grad_scaler()
+    stats = train_grpo.grpo_step(model, opt, scaler, prec, batch, pi_old, args, step=0)
+    tokens = batch.mask.bool() & (batch.adv != 0)[:, None]
+    w = torch.exp(pi_old - batch.mu_logp)[tokens]
+    assert stats["is_weight_max"] == pytest.approx(w.max().item(), rel=1e-6)
+    assert stats["is_weight_mean"] == pytest.approx(w.mean().item(), rel=1e-6)
+    assert stats["is_capped_frac"] == pytest.approx((w > 2.0).float().mean().item())
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
@@ -241,19 +271,25 @@ def test_nonfinite_gradient_step_is_skipped_and_weights_untouched(dtype):
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-def test_warm_start_lowers_loss_and_is_cached(tmp_path):
+def test_warm_start_lowers_loss(tmp_path):
     import task
     from model import load_hf
     args = tiny_args(str(tmp_path))
     cfg = train_grpo.model_config(args.n_items, args.max_new_tokens)
     ckpt = train_grpo.warm_start(cfg, args.n_items, 0, "cpu")
-    batch = task.make_splits(0, args.n_items, 8)[1]("check", 16)
+    batch = task.make_splits(0, args.n_items, 8)[1](("check",), 16)
     idx, mask, _ = train_grpo.pack([task.prompt_ids(p) for p, _ in batch], [task.answer_ids(a) for _, a in batch], "cpu")
     torch.manual_seed(0)
     with torch.no_grad():
         nll = {name: -(token_logprobs(m, idx) * mask).sum().item() / mask.sum().item() for name, m in
                (("init", GPT(cfg)), ("warm", load_hf(ckpt)))}
     assert nll["warm"] < 0.5 * nll["init"], nll
+
+
+def test_warm_start_is_cached_per_seed(tmp_path):
+    args = tiny_args(str(tmp_path))
+    cfg = train_grpo.model_config(args.n_items, args.max_new_tokens)
+    ckpt = train_grpo.warm_start(cfg, args.n_items, 0, "cpu")
     mtime = os.path.getmtime(os.path.join(ckpt, "model.safetensors"))
     assert train_grpo.warm_start(cfg, args.n_items, 0, "cpu") == ckpt  # reused, not retrained
     assert os.path.getmtime(os.path.join(ckpt, "model.safetensors")) == mtime
@@ -262,7 +298,8 @@ def test_warm_start_lowers_loss_and_is_cached(tmp_path):
 
 KEYS = ["step", "reward_mean", "response_len_mean", "mismatch_k1", "mismatch_k3", "mismatch_prob_abs_max",
         "mismatch_prob_abs_mean", "mismatch_logp_abs_mean", "grad_norm", "loss_scale", "step_skipped",
-        "time_rollout_s", "time_logprob_s", "time_train_s", "time_sync_s"]
+        "time_rollout_s", "time_logprob_s", "time_train_s", "time_sync_s", "logp_mean", "resid_rms", "hidden_rms",
+        "logit_rms", "logit_abs_max", "entropy_mean", "weight_rms"]
 
 
 def test_real_rl_steps_in_each_dtype(engine, warm_dir, varied_reward):
@@ -279,6 +316,11 @@ def test_real_rl_steps_in_each_dtype(engine, warm_dir, varied_reward):
                 assert k in r and math.isfinite(float(r[k])), (name, k)
             assert r["grad_norm"] > 0
         assert "eval_accuracy_before" in rows[0] and "eval_accuracy" in rows[2]
+        for r in rows:  # the shift-share identity: mean |d| = sum over buckets of share x mean
+            shares, sizes = r["pi_bucket_frac"], r["pi_bucket_logp_abs_mean"]
+            assert sum(shares) == pytest.approx(1.0)
+            total = sum(f * s for f, s in zip(shares, sizes) if s is not None)
+            assert total == pytest.approx(r["mismatch_logp_abs_mean"], rel=1e-9)
         assert os.path.isfile(os.path.join(out, "hf", "model.safetensors"))
         k3[name] = sum(r["mismatch_k3"] for r in rows) / len(rows)
     assert k3["fp32"] * 100 <= k3["bf16"], k3

@@ -25,6 +25,8 @@ from model import load_hf, save_hf
     (["--resume", "--out", "/tmp/no-such-run"], "--resume"), (["--lm-head", "fp8"], "--lm-head"),
     (["--engine-dtype", "int8"], "--engine-dtype"), (["--minibatches", "100000"], "--minibatches"),
     (["--max-skips", "3"], "--max-skips"),  # a named constant now, no longer a flag
+    (["--dr-grpo", "--algorithm", "gspo"], "--dr-grpo"),
+    (["--algorithm", "token-tis", "--behavior-logp", "engine"], "token-tis"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
@@ -37,6 +39,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, flag, capsys):
 @pytest.mark.parametrize("argv, flag", [
     (["histogram"], "experiment"), (["audit", "--batches", "2"], "--batches"), (["mismatch", "--lr", "1"], "--lr"),
     (["scaler", "--json", "/proc/cannot/x.json"], "/proc/cannot"), (["audit", "--init", "/nonexistent"], "--init"),
+    (["heldout", "--samples", "0"], "--samples"),
 ])
 def test_experiments_refuse_bad_input_in_one_line(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
@@ -44,9 +47,13 @@ def test_experiments_refuse_bad_input_in_one_line(argv, flag, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and flag in err, err
+
+
+def test_plot_refuses_a_folder_that_is_not_there(capsys):
     with pytest.raises(SystemExit) as e:
         plot.main(["experiment", "/nonexistent", "--out", "x.png"])
-    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "/nonexistent" in err, err
 
 
 def test_an_existing_run_is_never_overwritten(tmp_path, capsys):
@@ -111,28 +118,29 @@ DRIVER = ("import sys, train_grpo; train_grpo.task.reward = lambda ids, answer: 
 
 
 def test_a_run_killed_at_a_random_moment_then_resumed_ends_as_an_uninterrupted_one(warm_dir):
-    """SIGKILL (no handler can run) at a random moment of the step loop, then --resume: the metrics
-    equal an uninterrupted run's in every field but the timings. Both in fresh processes, each with
-    its own engine; the reward is the varied one, so every step moves the weights."""
+    """SIGKILL (no handler can run) at a random moment after the first checkpoint, then --resume: the
+    resumed run really starts mid-run (it says at which step), and the metrics equal an uninterrupted
+    run's in every field but the timings. Both in fresh processes, each with its own engine; the
+    reward is the varied one, so every step moves the weights."""
     args = tiny_args(warm_dir, "--out", os.path.join(warm_dir, "ckpt-source"))
     init = train_grpo.warm_start(train_grpo.model_config(args.n_items, args.max_new_tokens), args.n_items, 0, "cpu")
-    flags = ["--dtype", "fp32", "--init", init, *rl(6)]
+    steps = 12
+    flags = ["--dtype", "fp32", "--init", init, *rl(steps)]
     whole, killed = os.path.join(warm_dir, "kill-whole"), os.path.join(warm_dir, "kill-resumed")
     subprocess.run([sys.executable, "-c", DRIVER, *flags, "--out", whole], cwd=ROOT, check=True, capture_output=True)
     proc = subprocess.Popen([sys.executable, "-c", DRIVER, *flags, "--out", killed], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while not os.path.isfile(os.path.join(killed, "metrics.jsonl")) and proc.poll() is None:
-        time.sleep(0.05)  # the step loop has begun
-    time.sleep(random.uniform(0.0, 2.0))  # about three steps' time: before, between or inside step writes
+    while not os.path.isfile(os.path.join(killed, "checkpoint.pt")) and proc.poll() is None:
+        time.sleep(0.01)  # step 0 is checkpointed
+    time.sleep(random.uniform(0.0, 0.5))  # before, between or inside later steps' writes
+    assert proc.poll() is None, "the run ended before the kill: make it longer"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    done = len(rows(killed))
-    if os.path.isfile(os.path.join(killed, "checkpoint.pt")):
-        subprocess.run([sys.executable, "-c", DRIVER, *flags, "--out", killed, "--resume"], cwd=ROOT, check=True, capture_output=True)
-    else:  # killed between step 0's row and its checkpoint: nothing to resume, so start again
-        os.remove(os.path.join(killed, "metrics.jsonl"))
-        subprocess.run([sys.executable, "-c", DRIVER, *flags, "--out", killed], cwd=ROOT, check=True, capture_output=True)
-    print(f"killed after {done} metrics rows")
+    r = subprocess.run([sys.executable, "-c", DRIVER, *flags, "--out", killed, "--resume"], cwd=ROOT, check=True,
+                       capture_output=True, text=True)
+    at = int(r.stdout.split("resuming ")[1].split(" at step ")[1].split()[0])
+    print(f"killed, resumed at step {at}")
+    assert 1 <= at < steps
     assert without_timings(rows(killed)) == without_timings(rows(whole))
 
 

@@ -32,14 +32,10 @@ def test_fp32_engine_logprobs_equal_model_logprobs(engine, random_ckpt):
 def test_engine_follows_trainer_only_after_sync(engine, random_ckpt):
     llm, model = engine("float32"), load_hf(random_ckpt)
     rollout.sync_weights(llm, hf_named_tensors(model), torch.float32)
-    with torch.no_grad():  # an "optimizer step": perturb every weight
-        g = torch.Generator().manual_seed(0)
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    perturb(model, 0.05)
     stale = engine_vs_trainer(llm, model, get_precision("fp32"))
     assert stale.max().item() > 1e-2
-    seconds = rollout.sync_weights(llm, hf_named_tensors(model), torch.float32)
-    assert seconds > 0
+    rollout.sync_weights(llm, hf_named_tensors(model), torch.float32)
     assert engine_vs_trainer(llm, model, get_precision("fp32")).max().item() <= 1e-4
 
 
@@ -63,21 +59,38 @@ def test_sampling_is_repeatable_under_the_global_seed(engine):
     assert a == b and a != c
 
 
-def test_fp32_head_engine_makes_float32_logits_and_the_trainer_mirrors_it(engine, random_ckpt):
-    """vLLM's head_dtype float32: the engine's logits come out float32 (its own LogitsProcessor, run on
-    its model). The trainer's fp32 head mirrors it: against the fp32-head engine, the trainer with the
-    fp32 head is closer than the plain bf16 trainer. Measured here (random weights, AMD EPYC, AVX2): the
-    fp32 head on both sides leaves bf16's mismatch where it was (1.19e-3 both ways, the trunk's rounding
-    dominates), so the test asks only that it not be worse by more than 5 %."""
-    model = load_hf(random_ckpt)
-    llm = engine("bfloat16", True)
+def perturb(model, size):  # an "optimizer step" on every weight
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * size)
+
+
+def test_fp32_head_engine_follows_trainer_only_after_sync(engine, random_ckpt):
+    """The engine started with head_dtype float32 reloads in place too: perturbed weights raise the
+    mismatch far above bf16's rounding, and after the sync it falls back."""
+    llm, model, prec = engine("bfloat16", True), load_hf(random_ckpt), get_precision("bf16", lm_head="fp32")
     rollout.sync_weights(llm, hf_named_tensors(model), torch.bfloat16)
+    before = engine_vs_trainer(llm, model, prec).mean().item()
+    perturb(model, 0.05)
+    stale = engine_vs_trainer(llm, model, prec).mean().item()
+    rollout.sync_weights(llm, hf_named_tensors(model), torch.bfloat16)
+    after = engine_vs_trainer(llm, model, prec).mean().item()
+    assert stale > 10 * before and after < stale / 10, (before, stale, after)
+
+
+def test_fp32_head_engine_makes_float32_logits(engine, random_ckpt):
+    """vLLM's head_dtype float32: the engine's logits come out float32 (its own LogitsProcessor)."""
+    llm = engine("bfloat16", True)
     assert llm.apply_model(lambda m: m.compute_logits(torch.zeros(2, 128, dtype=torch.bfloat16)).dtype) == [torch.float32]
-    means = {}
-    for engine_head, trainer_head in (("same", "same"), ("fp32", "fp32"), ("fp32", "same")):
-        llm = engine("bfloat16", engine_head == "fp32")
-        rollout.sync_weights(llm, hf_named_tensors(model), torch.bfloat16)
-        means[engine_head, trainer_head] = engine_vs_trainer(llm, model, get_precision("bf16", lm_head=trainer_head)).mean().item()
-    print(means)
-    assert means["fp32", "fp32"] < means["fp32", "same"], means
-    assert means["fp32", "fp32"] <= 1.05 * means["same", "same"], means
+
+
+def test_the_trainers_fp32_head_mirrors_the_engines(engine, random_ckpt):
+    """Against the fp32-head engine, the trainer with the fp32 head is closer than the plain bf16
+    trainer: the two heads compute the same thing. (Whether the fp32 head narrows bf16's mismatch at
+    all is a measurement, probe.py mismatch's paired rows, not a property.)"""
+    model, llm = load_hf(random_ckpt), engine("bfloat16", True)
+    rollout.sync_weights(llm, hf_named_tensors(model), torch.bfloat16)
+    means = {head: engine_vs_trainer(llm, model, get_precision("bf16", lm_head=head)).mean().item()
+             for head in ("fp32", "same")}
+    assert means["fp32"] < means["same"], means

@@ -30,8 +30,8 @@ def test_reward_on_correct_wrong_malformed_truncated_empty():
 def test_problems_are_correct_long_enough_and_splits_disjoint():
     eval_problems, train_batch = task.make_splits(seed=0, n_items=12, n_eval=200)
     assert len({p for p, _ in eval_problems}) == 200
-    train = train_batch("a", 2000)
-    assert train_batch("a", 2000) == train and train_batch("b", 50) != train[:50]
+    train = train_batch(("a",), 2000)
+    assert train_batch(("a",), 2000) == train and train_batch(("b",), 50) != train[:50]
     assert not {p for p, _ in train} & {p for p, _ in eval_problems}
     for p, a in train[:50]:
         digits = p[len("sort "):-1].split(",")
@@ -41,3 +41,14 @@ def test_problems_are_correct_long_enough_and_splits_disjoint():
     assert task.make_splits(0, 12, 200)[0] == eval_problems
     longer, _ = task.make_splits(0, 20, 10)
     assert len(task.answer_ids(longer[0][1])) == 40
+
+
+def test_seeds_of_distinct_streams_differ():
+    """The old stream_seed, seed * 1,000,003 + stream * 999,983 + step, gave (1, 0, 19) and
+    (0, 1, 39) the same seed; every distinct (seed, stream, step) here gets its own."""
+    names = [(name, seed, step) for name in ("rollout", "eval", "minibatch", "audit")
+             for seed in range(-2, 8) for step in range(-1, 60)]
+    seeds = [task.seed_of(*n) for n in names]
+    assert len(set(seeds)) == len(names) and all(0 <= s < 2 ** 63 for s in seeds)
+    assert task.seed_of("rollout", 1, 19) != task.seed_of("rollout", 0, 39)
+    assert task.seed_of("eval", 0, 1) == task.seed_of("eval", 0, 1)  # a function of its name

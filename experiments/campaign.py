@@ -1,0 +1,125 @@
+"""
+experiments/campaign.py: every RL run of a plan, each (arm, variant, seed) once, resumable: stop it
+at any moment, run the same command again, and it goes on where it stopped.
+
+    nohup python experiments/campaign.py > runs/campaign.log 2>&1 &   # the plan, in priority order
+    python experiments/campaign.py --list                              # what is done, what is left
+    python experiments/plot.py experiment results/<machine> --out figures/campaign.png
+
+A run is `python train_grpo.py --seed S ARM's flags VARIANT's flags` in runs/campaign/NAME, NAME =
+ARM-VARIANT-sSEED (--seed also picks the warm start: each seed has its own, cached). A run left half
+done is resumed (--resume). A finished run's final policy is read by one fp32 engine
+(probe.py heldout), then its small files (args.json, metrics.jsonl, heldout.json) are copied to
+results/<machine>/NAME/: that folder is committed and the figures are drawn from it, so a new clone
+redraws them without rerunning. A run already there is skipped. <machine> is the CPU model and the
+ISA features vLLM's kernels read: runs of one seed are paired only within one machine group.
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from precision import machine  # noqa: E402
+
+ARMS = {  # the flags every variant of an arm shares
+    "gspo-engine": ["--algorithm", "gspo", "--behavior-logp", "engine"],  # the mismatch inside the trust region
+    "drgrpo-mb4": ["--dr-grpo", "--minibatches", "4"],                    # the paper's recipe
+    "grpo": [],                                                           # the default run
+    "gspo": ["--algorithm", "gspo"],                                      # arm 1 without the mismatch in it
+    "seq-mis-engine": ["--algorithm", "seq-mis", "--behavior-logp", "engine"],  # the paper's patches
+    "pg-seq-is": ["--algorithm", "pg-seq-is"],
+}
+VARIANTS = {"fp16": ["--dtype", "fp16"], "bf16": ["--dtype", "bf16"], "fp32": ["--dtype", "fp32"],
+            "bf16-head32": ["--dtype", "bf16", "--lm-head", "fp32"],
+            "bf16-engine32": ["--dtype", "bf16", "--engine-dtype", "fp32"]}
+PLANS = {  # arms in priority order, each with its variants
+    "campaign": [("gspo-engine", ["fp16", "bf16", "fp32", "bf16-head32", "bf16-engine32"]),
+                 ("drgrpo-mb4", ["fp16", "bf16", "fp32"]), ("grpo", ["fp16", "bf16", "fp32"]),
+                 ("gspo", ["fp16", "bf16"]), ("seq-mis-engine", ["fp16", "bf16"]), ("pg-seq-is", ["fp16", "bf16"])],
+    "smoke": [("grpo", ["fp32"])],  # the tests' plan: one run per seed
+}
+
+def machine_group(m):
+    """results/ subfolder name: the CPU (or GPU) model and the ISA features, as a slug."""
+    name = f"{m['gpu'] or m['cpu']} {' '.join(m['cpu_isa'])}".lower()
+    return re.sub(r"[^a-z0-9]+", "-", name.replace("(r)", "").replace("(tm)", "")).strip("-")
+
+def plan_runs(args):
+    """(name, flags) of every run, in order: arm by arm, and within an arm seed by seed, so that
+    however far it got, every variant of an arm has the same seeds, paired."""
+    return [(f"{arm}-{v}-s{seed}", ["--seed", str(seed), *ARMS[arm], *VARIANTS[v]])
+            for arm, variants in PLANS[args.plan] for seed in args.seeds for v in variants]
+
+def finished(folder):
+    """A run is done when its metrics reach args.json's step count and its held-out reading is in."""
+    try:
+        steps = json.load(open(os.path.join(folder, "args.json")))["steps"]
+        rows = sum(1 for _ in open(os.path.join(folder, "metrics.jsonl")))
+        return rows >= steps and os.path.isfile(os.path.join(folder, "heldout.json"))
+    except (OSError, ValueError, KeyError):
+        return False
+
+def run_one(name, flags, args, results):
+    """Train (or resume) one run, read its policy's held-out accuracy, copy its small files."""
+    out = os.path.join(args.runs, name)
+    resume = ["--resume"] if os.path.isfile(os.path.join(out, "checkpoint.pt")) else []
+    if not resume and os.path.isdir(out):
+        shutil.rmtree(out)  # killed before its first checkpoint: nothing to keep
+    train = [sys.executable, "train_grpo.py", *flags, *args.extra, "--out", out, *resume]
+    if subprocess.run(train, cwd=ROOT).returncode != 0:
+        return False
+    heldout = [sys.executable, "experiments/probe.py", "heldout", "--init", os.path.join(out, "hf"),
+               "--seed", flags[1], "--samples", str(args.samples), "--json", os.path.join(out, "heldout.json")]
+    if subprocess.run(heldout, cwd=ROOT).returncode != 0:
+        return False
+    keep = os.path.join(results, name)
+    os.makedirs(keep + ".tmp", exist_ok=True)
+    for f in ("args.json", "metrics.jsonl", "heldout.json"):
+        shutil.copy(os.path.join(out, f), os.path.join(keep + ".tmp", f))
+    shutil.rmtree(keep, ignore_errors=True)
+    os.replace(keep + ".tmp", keep)  # the results folder holds whole runs only
+    return True
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="every RL run of a plan, once, resumable")
+    p.error = lambda message: p.exit(2, f"error: {message}\n")  # one line, exit 2
+    p.add_argument("--plan", default="campaign", choices=list(PLANS))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    p.add_argument("--samples", type=int, default=8, help="held-out samples of each problem (probe.py heldout)")
+    p.add_argument("--runs", default=os.path.join("runs", "campaign"), help="where the runs work")
+    p.add_argument("--results", default="results", help="where finished runs' small files go, per machine")
+    p.add_argument("--list", action="store_true", help="print the plan and what is done, run nothing")
+    p.add_argument("extra", nargs="*", help="after --: more train_grpo.py flags for every run (the tests' small runs)")
+    args = p.parse_args(argv)
+    if args.samples < 1:
+        p.error(f"--samples must be >= 1, got {args.samples}")
+    os.chdir(ROOT)
+    results = os.path.join(args.results, machine_group(machine()))
+    runs = plan_runs(args)
+    todo = [(n, f) for n, f in runs if not finished(os.path.join(results, n))]
+    print(f"plan {args.plan}: {len(runs)} runs, {len(runs) - len(todo)} done in {results}", flush=True)
+    if args.list:
+        for name, _ in runs:
+            print(f"  {'done' if finished(os.path.join(results, name)) else 'todo'}  {name}")
+        return
+    os.makedirs(results, exist_ok=True)
+    timed = []
+    for i, (name, flags) in enumerate(todo):
+        t0 = time.time()
+        print(f"[{len(runs) - len(todo) + i + 1}/{len(runs)}] {name}", flush=True)
+        if not run_one(name, flags, args, results):
+            print(f"campaign: {name} failed (its output is above); going on with the next run", flush=True)
+            continue
+        timed.append(time.time() - t0)
+        left = (len(todo) - i - 1) * sum(timed) / len(timed)
+        print(f"[{len(runs) - len(todo) + i + 1}/{len(runs)}] {name} done in {timed[-1]:.0f} s; "
+              f"about {left / 3600:.1f} h left at this pace", flush=True)
+
+if __name__ == "__main__":
+    main()
