@@ -1,13 +1,13 @@
 """
 model.py: a small Llama-style GPT, written from scratch, and its checkpoint format.
 
-The network is one vLLM serves natively (LlamaForCausalLM): embedding, RMSNorm, "rotate half" RoPE,
-causal attention, SwiGLU MLP, final norm, untied LM head. Our parameter names are Hugging Face's
-Llama names, so a checkpoint is just config.json + model.safetensors, and the same (name, tensor)
+A network vLLM serves natively (LlamaForCausalLM): embedding, RMSNorm, "rotate half" RoPE,
+causal attention, SwiGLU MLP, final norm, untied LM head. The parameters carry Hugging Face's
+Llama names: a checkpoint is config.json + model.safetensors, and the same (name, tensor)
 pairs feed vLLM's in-place weight reload during RL.
 
-What it teaches: the trainer's forward and the engine's are two independent implementations of one
-function. In float32 they agree to ~1e-6 (tests/); in 16 bits they round differently: the mismatch.
+It teaches: the trainer's forward and the engine's are two implementations of one function.
+In float32 they agree to ~1e-6 (tests/); in 16 bits they round differently: the mismatch.
 """
 import json
 import math
@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# Head sizes vLLM's CPU attention backend accepts (shared/vllm-cpu-notes.md); GPUs accept these too.
+# Head sizes vLLM's CPU attention accepts (GPUs accept these too).
 VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 @dataclass
@@ -37,8 +37,8 @@ class GPTConfig:
     def __post_init__(self):
         head = self.n_embd // self.n_head
         if self.n_embd % self.n_head or head not in VLLM_HEAD_SIZES:
-            raise ValueError(f"n_embd/n_head = {self.n_embd}/{self.n_head} must be a whole head size "
-                             f"in {VLLM_HEAD_SIZES} (what vLLM's attention accepts)")
+            raise ValueError(f"n_embd/n_head = {self.n_embd}/{self.n_head} must be a head "
+                             f"size vLLM's attention accepts: {VLLM_HEAD_SIZES}")
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
@@ -47,19 +47,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # Normalise in float32 whatever the activation dtype, as HF and vLLM do: a mean of squares in
+        # In float32 whatever the activation dtype, as HF and vLLM do: a mean of squares in
         # 16 bits loses the small components first.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
 def rope_cos_sin(cfg, T, device):
-    """cos/sin tables for positions 0..T-1, "rotate half" layout: the first and second halves of each
-    head are the two coordinates of every rotated pair. Computed in float32: positions times
-    frequencies in 16 bits would be off by whole radians at long range."""
+    """cos/sin for positions 0..T-1, "rotate half" layout (a head's two halves are the two
+    coordinates of each rotated pair). In float32: positions x frequencies in 16 bits would
+    be off by whole radians at long range."""
     head = cfg.n_embd // cfg.n_head
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head, 2, device=device, dtype=torch.float32) / head))
-    freqs = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)
+    f32 = dict(device=device, dtype=torch.float32)
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head, 2, **f32) / head))
+    freqs = torch.outer(torch.arange(T, **f32), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
@@ -117,14 +118,14 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         for name, p in self.named_parameters():
             if p.dim() == 2:  # GPT-2 style init; residual projections scaled down by depth
-                std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                residual = name.endswith(("o_proj.weight", "down_proj.weight"))
+                std = 0.02 / math.sqrt(2 * cfg.n_layer) if residual else 0.02
                 nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, idx, head_dtype=None):
-        """Token ids (B, T) -> logits (B, T, vocab), in the dtype of the weights it runs on (precision.py
-        runs it on 16-bit copies): callers cast them to float32 before log_softmax. head_dtype=float32:
-        the LM head's inputs (hidden states, weight) cast to float32 and multiplied there, as vLLM's
-        head_dtype does; the logits then carry no 16-bit rounding of their own."""
+        """Token ids (B, T) -> logits (B, T, vocab), in the weights' dtype (precision.py runs it
+        on 16-bit copies). head_dtype=float32: the head's inputs (hidden states, weight) cast to
+        float32 and multiplied there, as vLLM's head_dtype: no 16-bit rounding of the logits."""
         cos, sin = rope_cos_sin(self.cfg, idx.shape[1], idx.device)
         x = self.embed_tokens(idx)
         for block in self.layers:
@@ -144,49 +145,51 @@ def logprobs_of(logits, idx):
     logp = F.log_softmax(logits.float(), dim=-1)
     return torch.gather(logp, -1, idx[:, 1:, None]).squeeze(-1)
 
-# ---------------------------------------------------------------------------------------------------
-# Checkpoint format: a Hugging Face Llama directory (config.json + model.safetensors), float32.
+# ---------------------------------------------------------------------------------------------
+# Checkpoint format: a Hugging Face Llama folder (config.json + model.safetensors), float32
 
 def hf_named_tensors(model):
-    """(hf_name, tensor) pairs of the live model: what vLLM loads, and what rollout.py syncs into it."""
+    """(hf_name, tensor) pairs of the live model: what vLLM loads, and rollout.py syncs."""
     for name, p in model.named_parameters():
         yield (name if name.startswith("lm_head") else "model." + name), p.detach()
 
 def hf_config(cfg):
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "intermediate_size": cfg.n_hidden,
-        "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
-        "num_key_value_heads": cfg.n_head, "head_dim": cfg.n_embd // cfg.n_head,
-        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-        "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "torch_dtype": "float32",
-        "gpt_config": asdict(cfg),  # our own config, so load_hf can tell a checkpoint of ours
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd,
+        "intermediate_size": cfg.n_hidden, "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_head,
+        "head_dim": cfg.n_embd // cfg.n_head, "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": False, "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id,
+        "torch_dtype": "float32",
+        "gpt_config": asdict(cfg),  # our own config: load_hf tells a checkpoint of ours
     }
 
 def save_hf(model, out_dir):
-    """Write the checkpoint, each file under a temporary name, then renamed: never half a checkpoint."""
+    """Write each file under a temporary name, then rename it: never half a checkpoint."""
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
-    # float32 on disk: the master weights, so every dtype's run starts from bit-identical values.
-    tensors = {k: v.float().contiguous().cpu() for k, v in hf_named_tensors(model)}
-    save_file(tensors, os.path.join(out_dir, "model.safetensors.tmp"))
-    os.replace(os.path.join(out_dir, "model.safetensors.tmp"), os.path.join(out_dir, "model.safetensors"))
-    with open(os.path.join(out_dir, "config.json.tmp"), "w") as f:
+    weights, config = os.path.join(out_dir, "model.safetensors"), os.path.join(out_dir, "config.json")
+    # float32 on disk: the master weights, so every dtype's run starts from the same values.
+    save_file({k: v.float().contiguous().cpu() for k, v in hf_named_tensors(model)}, weights + ".tmp")
+    os.replace(weights + ".tmp", weights)
+    with open(config + ".tmp", "w") as f:
         json.dump(hf_config(model.cfg), f, indent=2)
-    os.replace(os.path.join(out_dir, "config.json.tmp"), os.path.join(out_dir, "config.json"))
+    os.replace(config + ".tmp", config)  # written last: its presence means complete
 
 def load_hf(ckpt_dir, device="cpu"):
     """Read a checkpoint written by save_hf back into an identical GPT (float32)."""
     from safetensors.torch import load_file
-    path = os.path.join(ckpt_dir, "config.json")
-    if not os.path.isfile(path) or not os.path.isfile(os.path.join(ckpt_dir, "model.safetensors")):
-        raise ValueError(f"{ckpt_dir} is not a checkpoint (needs config.json and model.safetensors)")
+    path, weights = os.path.join(ckpt_dir, "config.json"), os.path.join(ckpt_dir, "model.safetensors")
+    if not os.path.isfile(path) or not os.path.isfile(weights):
+        raise ValueError(f"{ckpt_dir} is not a checkpoint (needs config.json, model.safetensors)")
     hf = json.load(open(path))
     if "gpt_config" not in hf:
-        raise ValueError(f"{ckpt_dir} is not a checkpoint written by model.py (no gpt_config in config.json)")
+        raise ValueError(f"{ckpt_dir} is not a checkpoint written by model.py (no gpt_config)")
     model = GPT(GPTConfig(**hf["gpt_config"]))
-    state = load_file(os.path.join(ckpt_dir, "model.safetensors"))
-    model.load_state_dict({(k[len("model."):] if k.startswith("model.") else k): v for k, v in state.items()})
+    state = {k.removeprefix("model."): v for k, v in load_file(weights).items()}
+    model.load_state_dict(state)
     return model.to(device)

@@ -1,14 +1,14 @@
 """
 task.py: the tokenizer, the sanity task and its reward. Change this file to try another task.
 
-Tokenizer: a tiktoken Encoding built in code, with no download: one token per byte (256 ranks, no
-merges) plus two special tokens, <|bos|> and <|eos|> (end of answer). Every string round-trips, and
-one character = one token keeps responses long enough for rounding error to compound.
+Tokenizer: a tiktoken Encoding built in code, no download: one token per byte (256 ranks, no
+merges) plus <|bos|> and <|eos|> (end of answer). Every string round-trips, and one character
+= one token keeps responses long enough for rounding error to compound.
 
-Task: sort a list of digits, e.g. prompt "<|bos|>sort 3,9,1,3,0,7,2,8,5,6,4,1=" and response
-"0,1,1,2,3,3,4,5,6,7,8,9<|eos|>". A small transformer can learn to do this every time, so a healthy
-RL run heads to 100 % reward and a sick one is easy to see; every answer token is forced by the
-prompt, so the reward is exact and the response length (2 * n_items tokens) is the difficulty knob.
+Task: sort digits, e.g. "<|bos|>sort 3,9,1,3,0,7,2,8,5,6,4,1=" -> "0,1,1,2,3,3,4,5,6,7,8,9<|eos|>".
+A small transformer learns it every time, so a healthy RL run heads to 100 % reward and a sick
+one shows; every answer token is forced by the prompt, so the reward is exact, and the length
+(2 x n_items tokens) is the difficulty knob.
 """
 import hashlib
 import json
@@ -18,8 +18,9 @@ import tiktoken
 
 BOS, EOS = "<|bos|>", "<|eos|>"
 
-# pat_str splits text into pieces before BPE; with no merges any split gives the same bytes.
-TOKENIZER = tiktoken.Encoding(name="bytes", pat_str=r".", mergeable_ranks={bytes([i]): i for i in range(256)},
+# pat_str splits text before BPE; with no merges any split gives the same bytes.
+TOKENIZER = tiktoken.Encoding(name="bytes", pat_str=r".",
+                              mergeable_ranks={bytes([i]): i for i in range(256)},
                               special_tokens={BOS: 256, EOS: 257})
 BOS_ID, EOS_ID = TOKENIZER.encode_single_token(BOS), TOKENIZER.encode_single_token(EOS)
 VOCAB_SIZE = TOKENIZER.n_vocab  # 258
@@ -28,7 +29,7 @@ def encode(text):
     return TOKENIZER.encode(text, allowed_special="all")
 
 def decode(ids):
-    # errors="replace": a policy can sample byte sequences that are not UTF-8; reward them, don't crash.
+    # errors="replace": a policy can sample bytes that are not UTF-8: reward, don't crash.
     return TOKENIZER.decode_bytes(ids).decode("utf-8", errors="replace") if ids else ""
 
 def seed_of(*parts):
@@ -63,11 +64,12 @@ def make_splits(seed, n_items, n_eval):
     return list(eval_set.items()), train_batch
 
 def noisy_answer(answer, rng, p):
-    """A worked solution with mistakes: each digit replaced by a random digit with probability p.
-    Trained on these, the model learns the right procedure but keeps ~0.9p probability on a wrong
-    digit at every position, like a base model that is competent but not yet sharp: sampled at
-    temperature 1 it is right about (1 - 0.9p)^n_items of the time, and RL has that gap to close."""
-    return "".join(str(rng.randrange(10)) if c.isdigit() and rng.random() < p else c for c in answer)
+    """A worked solution with mistakes: each digit replaced by a random one with probability p.
+    Trained on these, the model learns the procedure but keeps ~0.9p on a wrong digit at each
+    position, like a competent base model not yet sharp: at temperature 1 it is right about
+    (1 - 0.9p)^n_items of the time, and RL has that gap to close."""
+    noisy = (str(rng.randrange(10)) if c.isdigit() and rng.random() < p else c for c in answer)
+    return "".join(noisy)
 
 def prompt_ids(prompt):
     return [BOS_ID] + encode(prompt)
@@ -77,7 +79,7 @@ def answer_ids(answer):
     return encode(answer) + [EOS_ID]
 
 def reward(response_ids, answer):
-    """1.0 for exactly the right answer followed by <|eos|>; 0.0 for anything else: wrong, malformed,
+    """1.0 for exactly the right answer and <|eos|>; 0.0 for anything else: wrong, malformed,
     truncated (no <|eos|>) or empty. Never raises."""
     if not response_ids or response_ids[-1] != EOS_ID:
         return 0.0

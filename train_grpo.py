@@ -1,25 +1,22 @@
 """
 train_grpo.py: RL fine-tuning (GRPO) of a small GPT whose rollouts come from the real vLLM
-engine, with one --dtype flag that switches both sides, trainer and engine, between fp16, bf16
-and fp32.
+engine; one --dtype flag switches trainer and engine between fp16, bf16 and fp32.
 
-    python train_grpo.py --dtype fp16     # or bf16, fp32: same data, seed and starting weights
+    python train_grpo.py --dtype fp16     # or bf16, fp32: same data, seed and start
 
-The run: a warm start (supervised, cached: every dtype starts from bit-identical float32
-weights), the vLLM engine started on it, then each step five calls:
+A warm start (supervised, cached: every dtype starts from the same float32 weights), the
+engine started on it, then each step five calls:
   1. rollout  the engine samples G responses per prompt, with its log-probs mu
   2. score    the trainer's log-probs pi of the same tokens
   3. update   the GRPO loss, a backward through the GradScaler, an optimizer step
   4. sync     the new weights into the running engine, in place
   5. log      a strict-JSON metrics row and a checkpoint
 
-What it teaches: engine and trainer compute "the same" probabilities with different kernels.
-In bf16 (7 mantissa bits) they disagree enough to bias the policy gradient; fp16 (10 bits,
-loss-scaled for its narrow range) shrinks the disagreement many times; fp32 all but removes it.
-
-Left out on purpose: a value network (GRPO needs none), a KL penalty (the paper's runs use
-none), sequence packing, distributed training, an asynchronous engine: none changes where the
-dtype enters.
+It teaches: engine and trainer compute "the same" probabilities with different kernels. In
+bf16 (7 mantissa bits) they disagree enough to bias the policy gradient; fp16 (10 bits,
+loss-scaled) shrinks that many times; fp32 all but removes it.
+Left out: a value network, a KL penalty (the paper's runs use none), sequence packing,
+distributed training, an asynchronous engine: none changes where the dtype enters.
 """
 import argparse
 import hashlib
@@ -62,8 +59,8 @@ SFT_NOISE = 0.005         # the chance that a solution digit in the warm-start d
 # The loss, by hand
 
 def group_advantages(rewards, group_size, scale_by_std=True, eps=1e-6):
-    """rewards (N,), N/G groups of G samples of one prompt -> A = (r - group mean) / (group std
-    + eps); Dr. GRPO without the division. A group whose samples all agree gets A = 0."""
+    """rewards (N,) in groups of G samples of a prompt -> A = (r - group mean) / (group std +
+    eps); Dr. GRPO without the division. A group whose samples all agree gets A = 0."""
     r = rewards.view(-1, group_size)
     adv = r - r.mean(dim=1, keepdim=True)
     if scale_by_std:
@@ -71,12 +68,11 @@ def group_advantages(rewards, group_size, scale_by_std=True, eps=1e-6):
     return adv.view(-1)
 
 def loss_norm(mask, algorithm, dr_grpo, max_new_tokens):
-    """How a mini-batch's N x T per-token losses add up: loss = sum_it norm_i loss_it, with
-      default    norm_i = 1 / response tokens   DAPO's token mean: each token counts once
-      gspo       norm_i = 1 / (|y_i| N)         each sequence's mean, then their mean (GSPO)
-      --dr-grpo  norm_i = 1 / (budget N)        oat's Dr. GRPO: each sequence's sum over the
-                                                generation budget (--max-new-tokens), not |y_i|
-    Returns (N, 1) float32."""
+    """(N, 1): how a mini-batch's per-token losses add up, loss = sum_it norm_i loss_it:
+      default    1 / response tokens   DAPO's token mean: each token counts once
+      gspo       1 / (|y_i| N)         each sequence's mean, then their mean (GSPO)
+      --dr-grpo  1 / (budget N)        oat's Dr. GRPO: each sequence's sum over the budget
+                                       (--max-new-tokens), not over |y_i|"""
     n_seq = mask.shape[0]
     if dr_grpo:
         return torch.full((n_seq, 1), 1.0 / (n_seq * max_new_tokens))
@@ -118,7 +114,7 @@ def grpo_loss(logp, old_logp, batch, norm, algorithm="grpo", cap=None, bypass=Fa
             log_r = (log_r * mask).sum(1, keepdim=True) / tokens
         ratio = torch.exp(log_r)
         per_token = -torch.min(ratio * a, ratio.clamp(1 - lo, 1 + hi) * a)
-        # The clip binds (the token gets no gradient) where it caps the side A pushes toward.
+        # The clip binds (no gradient) where it caps the side A pushes toward.
         clipped = torch.where(a > 0, ratio > 1 + hi, ratio < 1 - lo) & (a != 0)
         parts.update(ratio=ratio.detach(), clipped=clipped)
         pi_logp = logp.detach() if bypass else old_logp  # the pi in the weight pi / mu
@@ -136,11 +132,10 @@ def grpo_loss(logp, old_logp, batch, norm, algorithm="grpo", cap=None, bypass=Fa
     return (per_token * mask * norm).sum(), parts
 
 def loss_stats(parts, adv, mask, algorithm):
-    """What the loss did, over the sequences with A != 0 (the only ones with a gradient): the
-    share of tokens where the clip binds, by the sign of A; the share of sequences with one;
-    how far pi_theta got from pi_old; the importance weights before the cap, per response
-    token (token-tis) or per sequence, and the share over the cap. All (N, ...) tensors of
-    one batch, every mini-batch's rows together: maxima are maxima, means count each row."""
+    """What the loss did, on sequences with A != 0: where the clip binds (tokens, by the sign
+    of A; sequences); how far pi_theta got from pi_old; the importance weights before the cap
+    (per token for token-tis, else per sequence) and the share over it. parts holds every
+    mini-batch's rows: a max is the batch's max, a mean counts each row once."""
     a, seqs = adv[:, None], adv != 0
     tokens = mask.bool() & seqs[:, None]
     stats = {}
@@ -166,31 +161,28 @@ def loss_stats(parts, adv, mask, algorithm):
 # Step 3: the update
 
 def minibatch_rows(n, args, step):
-    """The rollout's n rows in --minibatches near-equal parts, shuffled as oat does (verl does
-    not shuffle: its actor's shuffle is false). One mini-batch: in order, nothing to shuffle."""
+    """n rows in --minibatches near-equal parts, shuffled as oat does (verl's actor does
+    not shuffle)."""
     if args.minibatches == 1:
         return [torch.arange(n)]
     g = torch.Generator().manual_seed(task.seed_of("minibatch", args.rl_seed, step))
     return list(torch.randperm(n, generator=g).tensor_split(args.minibatches))
 
 def with_advantage(adv):
-    """Which rows to run. A sequence with A = 0 (its group all agree) adds exactly 0 to the
-    loss and gradient: leave it out of the forward and backward (half the work near 90 %
-    reward), but not out of the normaliser. All of them if none has an advantage."""
+    """Rows to run: A = 0 adds exactly 0 to loss and gradient, so skip it in the forward and
+    backward (half the work near 90 % reward), not in the normaliser. All, if none has A."""
     has = adv != 0
     return has if has.any() else torch.ones_like(has)
 
 def optimizer_step(model, opt, scaler, loss):
-    """Returns (grad norm, skipped). fp16: the loss x scale, so small gradients survive fp16's
-    range; unscale_ divides the float32 gradients by the scale before the clip, so it sees true
-    norms; step() skips the update on an inf/nan gradient and update() halves the scale (or
-    doubles it after enough clean steps). bf16/fp32: the scaler passes straight through; a
-    non-finite gradient is never expected there: the step is skipped too, and reported."""
+    """Returns (grad norm, skipped). fp16: loss x scale, so small gradients survive; unscale_
+    divides the float32 gradients back before the clip; step() skips an inf/nan gradient and
+    update() halves the scale (doubles it after clean steps). bf16/fp32: a pass-through; a
+    non-finite gradient is never expected there: skipped too, and reported."""
     opt.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()
     scaler.unscale_(opt)
-    params = model.parameters()
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM).item()
     scale_before = scaler.get_scale()
     if scaler.is_enabled() or math.isfinite(grad_norm):
         scaler.step(opt)
@@ -204,7 +196,7 @@ def grpo_step(model, opt, scaler, prec, batch, trainer_logp, args, step):
     score, or with --behavior-logp engine the engine's mu (bypass). Returns the stats."""
     bypass = args.behavior_logp == "engine"
     old_logp = batch.mu_logp if bypass else trainer_logp
-    losses, norms, skips, parts, kept_rows = [], [], [], [], []
+    steps = []  # (loss, grad norm, skipped, the loss's parts, the rows it ran on)
     for rows in minibatch_rows(len(batch.adv), args, step):
         norm = loss_norm(batch.mask[rows], args.algorithm, args.dr_grpo, args.max_new_tokens)
         keep = with_advantage(batch.adv[rows])
@@ -217,33 +209,25 @@ def grpo_step(model, opt, scaler, prec, batch, trainer_logp, args, step):
         grad_norm, skipped = optimizer_step(model, opt, scaler, loss)
         if skipped and not scaler.is_enabled():
             stop(args, step, "non-finite gradient (the step was skipped; only fp16 expects it)")
-        losses.append(loss.item())
-        norms.append(grad_norm)
-        skips.append(skipped)
-        parts.append(what)
-        kept_rows.append(kept)
-    rows = torch.cat(kept_rows)
+        steps.append((loss.item(), grad_norm, skipped, what, kept))
+    losses, norms, skips, parts, kept = zip(*steps)
+    rows = torch.cat(kept)
     together = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     stats = loss_stats(together, batch.adv[rows], batch.mask[rows], args.algorithm)
-    # One loss and grad norm per optimizer step; the mini-batches are near-equal: a plain mean.
+    # One loss and grad norm per optimizer step, on near-equal mini-batches: a plain mean.
     return {"loss": sum(losses) / len(losses), **stats, "grad_norm": sum(norms) / len(norms),
             "step_skipped": any(skips), "loss_scale": scaler.get_scale()}
 
 def learning_rate(args, step):
-    """Linear warm-up (Adam's first updates move every weight by ~lr whatever the gradient,
-    enough to knock a tuned model over), then a cosine decay to LR_FLOOR. One value per rollout
-    batch, as verl steps its schedule (oat steps it per optimizer step; the paper's scripts
-    keep 1e-6 constant)."""
+    """Linear warm-up (Adam's first steps move every weight by ~lr), then a cosine decay to
+    LR_FLOOR; per rollout batch, as verl (oat: per optimizer step; the paper: 1e-6 flat)."""
     warm = min(1.0, (step + 1) / WARMUP_STEPS)
     progress = max(0.0, step - WARMUP_STEPS) / max(1, args.steps - WARMUP_STEPS)
     cosine = 0.5 * (1 + math.cos(math.pi * progress))
     return args.lr * warm * (LR_FLOOR + (1 - LR_FLOOR) * cosine)
 
-def stop(args, step, why):
-    """A non-finite value the run cannot go on from; the checkpoint on disk is the last good
-    state."""
-    raise SystemExit(f"error: step {step}: {why}; the last checkpoint and the metrics are in "
-                     f"{args.out}")
+def stop(args, step, why):  # a value the run cannot go on from; the last checkpoint is good
+    raise SystemExit(f"error: step {step}: {why}; checkpoint and metrics in {args.out}")
 
 # ---------------------------------------------------------------------------------------------
 # Batches, the warm start, the model's shape
@@ -260,8 +244,8 @@ class Batch:
         return Batch(self.idx[rows], self.mask[rows], self.mu_logp[rows], self.adv[rows], {})
 
 def pack(prompts, responses, device, logprobs=None):
-    """Right-padded (N, T) token ids, a (N, T-1) mask of the predicted response tokens
-    (token_logprobs' shape), and the engine's log-probs laid out the same way (or zeros)."""
+    """(N, T) right-padded token ids; (N, T-1) mask of the predicted response tokens
+    (token_logprobs' shape); the engine's log-probs laid out the same way (or zeros)."""
     seqs = [p + r for p, r in zip(prompts, responses)]
     T = max(len(s) for s in seqs)
     idx = torch.full((len(seqs), T), task.EOS_ID, dtype=torch.long)
@@ -276,8 +260,8 @@ def pack(prompts, responses, device, logprobs=None):
     return idx.to(device), mask.to(device), mu.to(device)
 
 def model_config(n_items, max_new_tokens, n_layer=4, n_head=4, n_embd=128):
-    """The GPT for this task (context: a power of two >= the longest prompt + response, and
-    >= 128). Raises ValueError for a head size vLLM cannot serve."""
+    """The GPT for this task: the context is a power of two >= 128 and the longest prompt +
+    response. ValueError for a head size vLLM cannot serve."""
     prompt = task.prompt_ids(task.make_problem(random.Random(0), n_items)[0])
     longest = len(prompt) + max_new_tokens
     max_seq_len = max(128, 2 ** math.ceil(math.log2(longest)))
@@ -286,8 +270,8 @@ def model_config(n_items, max_new_tokens, n_layer=4, n_head=4, n_embd=128):
                      bos_id=task.BOS_ID, eos_id=task.EOS_ID)
 
 def warm_start(cfg, n_items, seed, device):
-    """Returns the warm-started model's checkpoint folder, training it only if no cached copy
-    exists for exactly these settings (the key hashes everything that sets the weights)."""
+    """The warm start's checkpoint folder, trained unless cached under a key that hashes all
+    that sets the weights."""
     key = json.dumps({"cfg": cfg.__dict__, "n_items": n_items, "seed": seed,
                       "steps": SFT_STEPS, "lr": SFT_LR, "batch": SFT_BATCH,
                       "noise": SFT_NOISE}, sort_keys=True)
@@ -325,19 +309,16 @@ def warm_start(cfg, n_items, seed, device):
 # The loop's steps 1, 2 and 5, and the evaluation
 
 def rollout(llm, train_batch, args, step, device):
-    """Step 1: the engine samples G responses per prompt, with its log-probs (mu); rewards,
-    advantages."""
+    """Step 1: G responses per prompt from the engine, its log-probs mu; rewards, advantages."""
     t0 = time.perf_counter()
     problems = train_batch(("rl", args.rl_seed, step), args.batch_size)
-    # The in-process engine samples from torch's global generator (a per-request seed crashes
-    # its CPU sampler once requests are batched): seeded, sampling is a function of
-    # (weights, seed, step).
+    # The engine samples from torch's global generator (a per-request seed crashes its CPU
+    # sampler): seeded here, sampling is a function of (weights, seed, step).
     torch.manual_seed(task.seed_of("rollout", args.rl_seed, step))
     prompts = [task.prompt_ids(p) for p, _ in problems]
     samples = generate(llm, prompts, args.group_size, args.max_new_tokens, task.EOS_ID)
     answers = [a for _, a in problems for _ in range(args.group_size)]
-    rewards = [task.reward(s.response_ids, a) for s, a in zip(samples, answers)]
-    rewards = torch.tensor(rewards)
+    rewards = torch.tensor([task.reward(s.response_ids, a) for s, a in zip(samples, answers)])
     idx, mask, mu_logp = pack([s.prompt_ids for s in samples],
                               [s.response_ids for s in samples], device,
                               [s.logprobs for s in samples])
@@ -350,9 +331,8 @@ def rollout(llm, train_batch, args, step, device):
     return Batch(idx, mask, mu_logp, adv.to(device), log)
 
 def score(model, prec, batch):
-    """Step 2: the trainer's log-probs of the sampled tokens before the update, in its dtype
-    (pi_old, unless --behavior-logp engine takes mu), and the size of what its forward rounds
-    (rounding_scale), read off the same forward."""
+    """Step 2: the trainer's log-probs of the samples before the update, in its dtype (pi_old,
+    unless --behavior-logp engine), and from the same forward the size of what it rounds."""
     seen = {}
     def keep(module, inputs, output):  # the final norm's input and output
         seen.update(resid=inputs[0], hidden=output)
@@ -364,9 +344,8 @@ def score(model, prec, batch):
     return logprobs_of(logits, batch.idx), scale
 
 def evaluate(llm, eval_problems, args, step):
-    """Sampled accuracy at temperature 1 on the held-out problems, one sample each, with the
-    run's own engine: the curve. experiments/probe.py heldout reads a final policy with one
-    fp32 engine and several samples, the figure to compare runs by."""
+    """Held-out accuracy, one sample each at temperature 1 by the run's engine: the curve.
+    Runs are compared by experiments/probe.py heldout (one fp32 engine, more samples)."""
     torch.manual_seed(task.seed_of("eval", args.rl_seed, step))
     prompts = [task.prompt_ids(p) for p, _ in eval_problems]
     samples = generate(llm, prompts, 1, args.max_new_tokens, task.EOS_ID)
@@ -374,9 +353,8 @@ def evaluate(llm, eval_problems, args, step):
     return sum(right) / len(eval_problems)
 
 def log_step(out, step, rec, model, opt, scaler):
-    """Step 5: append the row as strict JSON (other readers reject NaN: a non-finite value is
-    written as null and its key listed under "nonfinite"), print it, and checkpoint: all a
-    resumed run needs, since the data and sampling of step s depend on (seed, s) alone."""
+    """Step 5: the row as strict JSON (a non-finite value as null, its key under "nonfinite"),
+    and the checkpoint: all a resume needs, as step s's data depend on (seed, s) alone."""
     bad = [k for k, v in rec.items() if isinstance(v, float) and not math.isfinite(v)]
     row = {k: None if k in bad else v for k, v in rec.items()}
     row.update({"nonfinite": bad} if bad else {})
@@ -396,8 +374,8 @@ def log_step(out, step, rec, model, opt, scaler):
 # Files: written atomically; a checkpoint every step (12 MB, ~10 ms): a kill loses one step
 
 def resume(out, state, model, opt, scaler):
-    """Load the checkpoint's state, cut metrics.jsonl back to its step (a line cut by a kill
-    goes too): no step twice. Returns the step to go on from."""
+    """Load the state; cut metrics.jsonl back to its step (and a line cut by a kill): no step
+    twice. Returns the step to go on from."""
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
     scaler.load_state_dict(state["scaler"])
@@ -425,8 +403,7 @@ def read_metrics(path):
 # The run
 
 def train(args, llm=None):
-    """The whole run. `llm`: a running engine of the engine's dtype to reuse (the tests share
-    one)."""
+    """The whole run. `llm`: a running engine to reuse (the tests share one)."""
     prec = get_precision(args.dtype, args.engine_dtype, args.lm_head)
     eval_problems, train_batch = task.make_splits(args.seed, args.n_items, N_EVAL)
     cfg = model_config(args.n_items, args.max_new_tokens, args.n_layer, args.n_head,
@@ -479,7 +456,7 @@ def train(args, llm=None):
           f"{rows[-1].get('eval_accuracy')} | last-10 reward {last10:.4f}")
 
 # ---------------------------------------------------------------------------------------------
-# Flags: argparse refuses what it can (choices, types); check() the rest, before any work
+# Flags: argparse refuses what it can (choices, types); check_flags, check_out the rest
 
 def bounded(kind, low, inclusive=True):
     """An argparse type: a finite `kind` number >= low (or > low)."""
@@ -494,40 +471,33 @@ def bounded(kind, low, inclusive=True):
 
 def get_args(argv=None):
     count, positive = bounded(int, 1), bounded(float, 0, inclusive=False)
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n")[1:4]),
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n")[1:3]),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    # One line and exit 2: argparse's own error adds a usage block.
-    p.error = lambda message: p.exit(2, f"error: {message}\n")
+    p.error = lambda message: p.exit(2, f"error: {message}\n")  # one line: no usage block
     add = p.add_argument
     add("--dtype", default="fp16", choices=DTYPES, help="the trainer's dtype, and the engine's")
     add("--engine-dtype", default=None, choices=DTYPES, help="the engine's; none: --dtype's")
-    add("--lm-head", default="same", choices=["same", "fp32"],
-        help="fp32: the LM head in float32 on both sides")
+    add("--lm-head", default="same", choices=["same", "fp32"], help="fp32 on both sides")
     add("--out", default=None, help="output folder; none: runs/<dtype>")
     add("--seed", type=int, default=0, help="task splits, warm start, and the RL phase")
-    add("--rl-seed", type=int, default=None, help="the RL phase's data and sampling; none: --seed")
+    add("--rl-seed", type=int, default=None, help="the RL phase alone; none: --seed")
     add("--steps", type=count, default=40)
     add("--batch-size", type=count, default=64, help="prompts per step")
-    add("--group-size", type=bounded(int, 2), default=8,
-        help="samples per prompt (GRPO compares within a group)")
+    add("--group-size", type=bounded(int, 2), default=8, help="samples per prompt")
     add("--lr", type=positive, default=3e-4)
     add("--algorithm", default="grpo", choices=ALGORITHMS, help="the loss (grpo_loss)")
-    add("--is-cap", type=positive, default=None,
-        help="cap C of the importance weights; none: the algorithm's own (CAPS)")
+    add("--is-cap", type=positive, default=None, help="cap C; none: the algorithm's (CAPS)")
     add("--behavior-logp", default="trainer", choices=["trainer", "engine"],
-        help="pi_old: the trainer's score of the samples, or the engine's own mu (bypass)")
-    add("--dr-grpo", action="store_true",
-        help="Dr. GRPO: no std division; each sequence's sum over --max-new-tokens")
-    add("--minibatches", type=count, default=1,
-        help="optimizer steps per rollout batch, one per mini-batch")
-    add("--n-items", type=count, default=12, help="digits to sort: the response is 2n tokens")
-    add("--max-new-tokens", type=count, default=None,
-        help="generation budget; none: 2 x --n-items + 8")
+        help="pi_old: the trainer's score, or the engine's mu (bypass)")
+    add("--dr-grpo", action="store_true", help="Dr. GRPO: no std; sums over the budget")
+    add("--minibatches", type=count, default=1, help="optimizer steps per rollout batch")
+    add("--n-items", type=count, default=12, help="digits to sort: responses of 2n tokens")
+    add("--max-new-tokens", type=count, default=None, help="none: 2 x --n-items + 8")
     add("--n-layer", type=count, default=4)
     add("--n-head", type=count, default=4)
     add("--n-embd", type=count, default=128)
-    add("--resume", action="store_true", help="continue the run in --out from its checkpoint")
-    add("--init", default=None, help="start RL from this checkpoint folder, not the warm start")
+    add("--resume", action="store_true", help="continue the run in --out")
+    add("--init", default=None, help="a checkpoint folder to start from, not the warm start")
     args = p.parse_args(argv)
     args.engine_dtype = args.engine_dtype or args.dtype
     args.max_new_tokens = args.max_new_tokens or 2 * args.n_items + 8
@@ -560,10 +530,9 @@ def check_flags(args, p):
                 "its sum over the budget; choose one")
 
 def check_out(args, p):
-    """--out: never overwrite a run; --resume needs a readable checkpoint (returned, loaded
-    once). args.json is written only when everything else passed."""
-    path = os.path.join(args.out, "checkpoint.pt")
-    state = None
+    """Never overwrite a run; --resume needs a readable checkpoint (loaded once, returned).
+    args.json is written last, when all else passed."""
+    path, state = os.path.join(args.out, "checkpoint.pt"), None
     if args.resume:
         try:
             state = torch.load(path, weights_only=False)
@@ -573,12 +542,11 @@ def check_out(args, p):
         except Exception as e:  # noqa: BLE001  (a damaged file fails in many ways)
             p.error(f"--resume: {path} is damaged ({type(e).__name__}: {e})".splitlines()[0])
     elif os.path.isfile(os.path.join(args.out, "metrics.jsonl")):
-        p.error(f"--out {args.out} already holds a run: pass --resume to continue it, "
-                f"or choose another --out")
+        p.error(f"--out {args.out} holds a run: --resume to continue it, or another --out")
     try:
         os.makedirs(args.out, exist_ok=True)
-        record = {**vars(args), "machine": machine()}
-        write_atomic(os.path.join(args.out, "args.json"), json.dumps(record, indent=2))
+        record = json.dumps({**vars(args), "machine": machine()}, indent=2)
+        write_atomic(os.path.join(args.out, "args.json"), record)
     except OSError as e:
         p.error(f"--out {args.out} cannot be written: {e.strerror}")
     return state
