@@ -4,15 +4,12 @@ at any moment, run the same command again, and it goes on where it stopped.
 
     nohup python experiments/campaign.py > runs/campaign.log 2>&1 &   # the plan, in priority order
     python experiments/campaign.py --list                              # what is done, what is left
-    python experiments/plot.py experiment results/<machine> --out figures/campaign.png
 
-A run is `python train_grpo.py --seed S ARM's flags VARIANT's flags` in runs/campaign/NAME, NAME =
-ARM-VARIANT-sSEED (--seed also picks the warm start: each seed has its own, cached). A run left half
-done is resumed (--resume). A finished run's final policy is read by one fp32 engine
-(probe.py heldout), then its small files (args.json, metrics.jsonl, heldout.json) are copied to
-results/<machine>/NAME/: that folder is committed and the figures are drawn from it, so a new clone
-redraws them without rerunning. A run already there is skipped. <machine> is the CPU model and the
-ISA features vLLM's kernels read: runs of one seed are paired only within one machine group.
+A run is `train_grpo.py --seed S` with its arm's and variant's flags, in runs/campaign/ARM-VARIANT-sS
+(--seed picks the warm start too: one per seed, cached); a run left half done is resumed. A finished
+run's policy is read by one fp32 engine (probe.py heldout), then its small files go to
+results/<machine>/: committed, skipped next time, and what plot.py draws from. <machine> is the CPU
+model and the ISA features vLLM's kernels read: runs are paired only within one machine's folder.
 """
 import argparse
 import json
@@ -51,13 +48,12 @@ def machine_group(m):
     return re.sub(r"[^a-z0-9]+", "-", name.replace("(r)", "").replace("(tm)", "")).strip("-")
 
 def plan_runs(args):
-    """(name, flags) of every run, in order: arm by arm, and within an arm seed by seed, so that
-    however far it got, every variant of an arm has the same seeds, paired."""
+    """(name, flags) of every run: arm by arm, in an arm seed by seed: however far it got, an arm's
+    variants have the same seeds, paired."""
     return [(f"{arm}-{v}-s{seed}", ["--seed", str(seed), *ARMS[arm], *VARIANTS[v]])
             for arm, variants in PLANS[args.plan] for seed in args.seeds for v in variants]
 
-def finished(folder):
-    """A run is done when its metrics reach args.json's step count and its held-out reading is in."""
+def finished(folder):  # its metrics reach args.json's step count and its held-out reading is in
     try:
         steps = json.load(open(os.path.join(folder, "args.json")))["steps"]
         rows = sum(1 for _ in open(os.path.join(folder, "metrics.jsonl")))
@@ -72,11 +68,9 @@ def run_one(name, flags, args, results):
     if not resume and os.path.isdir(out):
         shutil.rmtree(out)  # killed before its first checkpoint: nothing to keep
     train = [sys.executable, "train_grpo.py", *flags, *args.extra, "--out", out, *resume]
-    if subprocess.run(train, cwd=ROOT).returncode != 0:
-        return False
     heldout = [sys.executable, "experiments/probe.py", "heldout", "--init", os.path.join(out, "hf"),
                "--seed", flags[1], "--samples", str(args.samples), "--json", os.path.join(out, "heldout.json")]
-    if subprocess.run(heldout, cwd=ROOT).returncode != 0:
+    if any(subprocess.run(cmd, cwd=ROOT).returncode != 0 for cmd in (train, heldout)):  # in order, stops at a failure
         return False
     keep = os.path.join(results, name)
     os.makedirs(keep + ".tmp", exist_ok=True)

@@ -39,7 +39,7 @@ FIXES = [  # variant, the probe's matched (engine, trainer) row, what adopting i
     ("fp16", ("fp16", "fp16"), "a flag, --dtype fp16 (the GradScaler, a pass-through elsewhere, turns on)"),
     ("bf16-head32", ("bf16+head32", "bf16+head32"), "6 lines: model.forward's head_dtype, Precision, hf_overrides, the flag"),
     ("bf16-engine32", ("fp32", "bf16"), "3 lines: get_precision's engine dtype, the sync's cast to it, the flag"),
-    ("fp32", ("fp32", "fp32"), "a flag, --dtype fp32: what perfectly aligned kernels buy at best"),
+    ("fp32", ("fp32", "fp32"), "a flag, --dtype fp32: no 16-bit rounding on either side"),
 ]
 
 def refuse(message):
@@ -54,9 +54,7 @@ def mean_se(x):  # the mean and its standard error (ddof 1; None for one value)
     x = np.asarray(x, dtype=float)
     return float(x.mean()), float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else None
 
-def paired(a, b):
-    """a - b paired by seed: mean, s.e., 95 % t interval, and the exact two-sided sign-flip p-value
-    (under no effect each seed's difference is as likely + as -: all 2^n sign patterns)."""
+def paired(a, b):  # a - b by seed: mean, s.e., 95 % t interval, exact two-sided sign-flip p (all 2^n signs)
     d = np.asarray(a) - np.asarray(b)
     m, se = mean_se(d)
     flips = [abs((d * s).mean()) >= abs(m) - 1e-12 for s in itertools.product((1, -1), repeat=len(d))]
@@ -151,13 +149,8 @@ def print_table(out):
     print(f"\n{out['machine']}")
 
 def describe(cell, key):
-    if cell[key + "_mean"] is None:
-        return "-"
-    text = f"{cell[key + '_mean']:.4f} +- {fmt(cell[key + '_se'], '.4f')} ({cell['n']})"
-    d = cell.get(key + "_minus_bf16")
-    if d:
-        text += f"<br>{d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}] p={d['p_sign_flip']:.3f}"
-    return text
+    d, text = cell.get(key + "_minus_bf16"), f"{fmt(cell[key + '_mean'], '.4f')} +- {fmt(cell[key + '_se'], '.4f')} ({cell['n']})"
+    return text + (f"<br>{d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}] p={d['p_sign_flip']:.3f}" if d else "")
 
 def save(fig, out, data=None):
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -170,14 +163,12 @@ def save(fig, out, data=None):
 
 def load_json(path, experiment):
     try:
-        result = json.load(open(path))
+        return json.load(open(path))
     except (OSError, ValueError) as e:
         refuse(f"{path} is not the JSON of `{experiment}` ({type(e).__name__})")
-    return result
 
 def probe(args):
-    """The paper's picture: each sampled token's probability under the engine (mu) against the
-    trainer's (pi), same weights, same dtype on both sides; below, mu - pi on one scale."""
+    """Each sampled token's engine probability mu against the trainer's pi, one dtype on both sides."""
     result = load_json(args.path, "mismatch")
     tokens = {d: result["tokens"][d] for d in ("bf16", "fp16", "fp32")}
     fig, axes = plt.subplots(2, 3, figsize=(13.5, 8.2))

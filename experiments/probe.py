@@ -6,9 +6,7 @@ DIR, e.g. a finished run's hf/), the real engine in each dtype, the trainer besi
     python experiments/probe.py scaler   --json runs/scaler.json # why an fp16 trainer needs the GradScaler
     python experiments/probe.py audit    --json runs/audit.json  # the mismatch's bias on GRPO's gradient against its noise
     python experiments/probe.py heldout  --init DIR --json F     # a policy's held-out accuracy, read by one fp32 engine
-
-Every result records the machine: the 16-bit numbers are the chip's.
-"""
+Every result records the machine: the 16-bit numbers are the chip's."""
 import argparse
 import json
 import math
@@ -31,7 +29,6 @@ from rollout import generate, prefill_logprobs, start_engine, sync_weights  # no
 ENGINES = ("fp32", "bf16", "fp16", "bf16+head32", "fp16+head32")
 TRAINERS = ("fp32", "bf16", "fp16", "bf16-autocast", "fp16-autocast", "bf16+head32", "fp16+head32")
 DTYPES = ("fp32", "bf16", "fp16")
-COSTED = ("fp32", "bf16", "fp16", "bf16+head32", "fp16+head32")  # the trainer modes timed
 RESAMPLES = 2000  # bootstrap resamples of the sequences, for the paired ratios' intervals
 
 def precision_of(mode, device):
@@ -91,16 +88,12 @@ def paired_ratio(d_a, d_b, mask, seed=0):
     return {"ratio": float(a.sum() / b.sum()), "ci95": [float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))]}
 
 def mismatch(args, engine=None):
-    """Three tables on the held-out prompts (--group-size samples each).
-    own: each engine samples its own responses (timed the second time: the first warms it up), each
-         trainer mode scores them: what a run sees. Different engines, different tokens.
-    self: each engine's log-probs of its own samples as it decoded them (KV cache) against its prefill
-          of the same tokens: how far the engine is from itself, the floor for any trainer aligned to
-          its kernels.
-    paired: one fixed set of tokens (the fp32 engine's samples) scored by every engine's prefill and
-            every trainer mode; each row's mean |log mu - log pi| over the bf16 row's, on the same
-            tokens, with a 95 % bootstrap interval.
-    Then each trainer mode's forward + backward on 512 sequences, timed: what the trainer pays."""
+    """On the held-out prompts, --group-size samples each, three tables. own: each engine samples
+    (timed the second time, after a warm-up) and each trainer mode scores: what a run sees. self: each
+    engine's decode log-probs of its samples against its prefill of them: the floor for a trainer on
+    its kernels. paired: the fp32 engine's samples scored by every engine's prefill and every trainer,
+    each row over the bf16 row on the same tokens, with a 95 % bootstrap interval. Then each trainer
+    mode's forward + backward of 512 sequences, timed."""
     ckpt, model, device, get_engine = setup(args, engine)
     prompts = held_out_prompts(args)
     rows, self_rows, paired, tokens, speed, cost = [], [], [], {}, {}, {}
@@ -127,8 +120,8 @@ def mismatch(args, engine=None):
                 base = d
             paired.append({"engine": eng, "trainer": tr, "d": d, **mismatch_metrics(mu_common, pis[tr], common[2])})
         if eng == "bf16":  # rounds over the modes after a warm-up round, so drift hits every mode alike
-            times = [[time_fwd_bwd(model, tr, idx[:512], device) for tr in COSTED] for _ in range(4)][1:]
-            cost = {tr: sorted(t[i] for t in times)[1] for i, tr in enumerate(COSTED)}
+            times = [[time_fwd_bwd(model, tr, idx[:512], device) for tr in ENGINES] for _ in range(4)][1:]
+            cost = {tr: sorted(t[i] for t in times)[1] for i, tr in enumerate(ENGINES)}  # each side of a fix
     for r in paired:
         r["over_bf16"] = paired_ratio(r.pop("d"), base, common[2])
     matched = {r["engine"]: r for r in rows if r["engine"] == r["trainer"]}
@@ -160,12 +153,10 @@ def print_mismatch(result):
         o = r["over_bf16"]
         print(f"{r['engine']:12} {r['trainer']:14} " + " ".join(f"{r[k]:>17.3e}" for k in keys)
               + f" {o['ratio']:>7.3f} [{o['ci95'][0]:.3f}, {o['ci95'][1]:.3f}]")
-    print("\nthe cost: engine sampling, tokens/s (and against bf16); trainer forward + backward of 512 sequences")
     speed, cost = result["engine_tokens_per_s"], result["trainer_fwd_bwd_s"]
+    print("\nthe cost (against bf16): engine sampling, tokens/s; trainer forward + backward of 512 sequences, s")
     for eng in ENGINES:
-        print(f"engine  {eng:12} {speed[eng]:>9.0f} tokens/s  {speed[eng] / speed['bf16']:5.2f}x")
-    for tr, seconds in cost.items():
-        print(f"trainer {tr:12} {seconds:>9.2f} s         {seconds / cost['bf16']:5.2f}x")
+        print(f"{eng:12} engine {speed[eng]:>6.0f} {speed[eng] / speed['bf16']:5.2f}x | trainer {cost[eng]:5.2f} {cost[eng] / cost['bf16']:5.2f}x")
 
 def time_fwd_bwd(model, mode, idx, device):  # seconds for one forward + backward
     t0 = time.perf_counter()
@@ -194,8 +185,7 @@ def scaler(args, engine=None):
     norm = tg.loss_norm(batch.mask, "grpo", False, args.max_new_tokens)
 
     def grad(name, scale):
-        """(the logits' gradient as the backward's first 16-bit tensor holds it, still scaled; the
-        weights' gradient, unscaled in float32 as GradScaler.unscale_ does)."""
+        """(the logits' gradient, still scaled; the weights', unscaled in float32 as unscale_ does)"""
         forward, seen = get_precision(name, device=device).forward(model), {}
 
         def forward_keeping_logit_grad(x):
@@ -237,10 +227,9 @@ def scaler(args, engine=None):
 PI_BUCKETS = (0.0, 0.01, 0.1, 0.5, 0.9, 1.0)  # the trainer's probability of the sampled token
 
 def audit_losses(logp, pi_logp, mu_logp, adv, mask, n_tokens):
-    """On samples from the engine (mu): GRPO's objective J = sum_i A_i sum_t log pi(y_it) / N_tokens,
-    and the mismatch's part of it, J_bias = sum_i (1 - w_i) A_i sum_t log pi(y_it) / N_tokens, with
-    w_i = prod_t pi / mu sequence i's importance weight (detached). grad J - grad J_bias, each sequence
-    weighted by w_i, is unbiased for pi: d = grad J_bias is the bias on these samples. Returns (J, J_bias, w)."""
+    """On samples from mu: GRPO's J = sum_i A_i sum_t log pi(y_it) / N_tokens and the mismatch's part,
+    J_bias = sum_i (1 - w_i) A_i sum_t log pi(y_it) / N_tokens, w_i = prod_t pi / mu (detached): grad J -
+    grad J_bias is unbiased for pi, so d = grad J_bias is the bias. Returns (J, J_bias, w)."""
     w = torch.exp(((pi_logp - mu_logp) * mask).sum(1)).detach()
     per_seq = (logp * mask).sum(1)
     return (adv * per_seq).sum() / n_tokens, ((1 - w) * adv * per_seq).sum() / n_tokens, w
@@ -259,9 +248,8 @@ def bias_statistics(G_dd, G_gg, G_dg):
       eg2       |E g|^2, the same for g
       sigma2    tr Cov g, one step's noise in all directions
       b_dot_eg  E d . E g = mean over j != k of d_j . g_k  (d and g of one batch share its noise)
-      noise_along_b  Var_k(g_k . b_hat_k), b_hat_k the direction of the other batches' d summed: the
-                     noise in the one direction the bias pushes, each batch measured against a
-                     direction it did not help estimate (the same for every order of the batches)."""
+      noise_along_b  Var_k(g_k . b_hat_k), b_hat_k the direction of the other batches' summed d: the
+                     noise along the bias, each batch against a direction it did not help estimate."""
     K = G_dd.shape[0]
     off = ~torch.eye(K, dtype=torch.bool)
     pair = lambda G: G[off].mean().item()  # noqa: E731
@@ -274,10 +262,9 @@ def bias_statistics(G_dd, G_gg, G_dg):
             "noise_along_b": float(np.var(along, ddof=1))}
 
 def derived(s):
-    """The audit's figures from bias_statistics: |b|, |b| / sigma, cos(b, E g), and the steps after
-    which a bias that kept its direction would match the accumulated noise: (sigma / |b|)^2 sets it
-    against the noise of all ~0.9M directions, an upper bound; noise_along_b / |b|^2 against the noise
-    along the bias alone."""
+    """|b|, |b| / sigma, cos(b, E g), and the steps after which a bias that kept its direction would
+    match the summed noise: (sigma / |b|)^2 against all ~0.9M directions' noise (an upper bound),
+    noise_along_b / |b|^2 against the noise along the bias alone."""
     b = math.sqrt(s["b2"]) if s["b2"] > 0 else 0.0
     return {"bias_norm": b, "bias_over_noise": b / math.sqrt(s["sigma2"]), "grad_mean_norm": math.sqrt(max(s["eg2"], 0)),
             "cos_bias_grad": s["b_dot_eg"] / (b * math.sqrt(s["eg2"])) if b and s["eg2"] > 0 else None,
@@ -285,10 +272,9 @@ def derived(s):
             "steps_along": s["noise_along_b"] / s["b2"] if s["b2"] > 0 else None}
 
 def jackknife(G_dd, G_gg, G_dg):
-    """Every statistic and every figure derived from it, each with its own 95 % jackknife interval:
-    the figure itself recomputed with one batch left out (K times), s.e. from their spread, t quantile
-    with K - 1 degrees of freedom. A figure undefined in some leave-one-out (|b|^2 <= 0 there) gets
-    no interval. A bias is resolved when the interval of |b|^2 excludes 0."""
+    """Every statistic and figure with its own 95 % jackknife interval: the figure itself recomputed
+    with each batch left out, t quantile with K - 1 dof; none where a leave-one-out leaves it undefined
+    (|b|^2 <= 0). A bias is resolved when the interval of |b|^2 excludes 0."""
     K = G_dd.shape[0]
 
     def figures(keep):
@@ -374,19 +360,17 @@ def print_audit(result):
 # 4. Held-out accuracy, read the same way for every run
 
 def heldout(args, engine=None):
-    """A policy's held-out accuracy read by one fp32 engine, whatever dtype trained it (each run's own
-    engine reads identical weights differently: bf16's lower), --samples samples of every held-out
-    problem at temperature 1, the same random numbers for every policy of one seed (paired). The
-    standard error is over problems (ddof 1): samples of one problem are not independent."""
+    """A policy's held-out accuracy read by one fp32 engine whatever dtype trained it (each run's own
+    engine reads identical weights differently), --samples of every problem at temperature 1, the same
+    random numbers for every policy of a seed (paired); the s.e. is over problems (ddof 1)."""
     ckpt, model, device, get_engine = setup(args, engine)
     problems = task.make_splits(args.seed, args.n_items, tg.N_EVAL)[0]
     torch.manual_seed(task.seed_of("heldout", args.seed))
     samples = generate(get_engine("fp32"), held_out_prompts(args), args.samples, args.max_new_tokens, task.EOS_ID)
     right = np.array([task.reward(s.response_ids, a) for s, (_, a) in zip(samples, [p for p in problems for _ in range(args.samples)])])
     per_problem = right.reshape(len(problems), args.samples).mean(1)
-    result = {"experiment": "heldout", "checkpoint": ckpt, "machine": machine(), "problems": len(problems),
-              "samples_per_problem": args.samples, "accuracy": float(per_problem.mean()),
-              "se": float(per_problem.std(ddof=1) / math.sqrt(len(problems)))}
+    result = {"experiment": "heldout", "checkpoint": ckpt, "machine": machine(), "problems": len(problems), "samples_per_problem":
+              args.samples, "accuracy": float(per_problem.mean()), "se": float(per_problem.std(ddof=1) / math.sqrt(len(problems)))}
     print(f"held-out accuracy of {ckpt} (fp32 engine, {len(problems)} problems x {args.samples}): "
           f"{result['accuracy']:.4f} +- {result['se']:.4f}")
     return result
