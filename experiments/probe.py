@@ -366,7 +366,7 @@ def heldout(args, engine=None):
     ckpt, model, device, get_engine = setup(args, engine)
     problems = task.make_splits(args.seed, args.n_items, tg.N_EVAL)[0]
     torch.manual_seed(task.seed_of("heldout", args.seed))
-    samples = generate(get_engine("fp32"), held_out_prompts(args), args.samples, args.max_new_tokens, task.EOS_ID)
+    samples = generate(get_engine("fp32"), [task.prompt_ids(p) for p, _ in problems], args.samples, args.max_new_tokens, task.EOS_ID)
     right = np.array([task.reward(s.response_ids, a) for s, (_, a) in zip(samples, [p for p in problems for _ in range(args.samples)])])
     per_problem = right.reshape(len(problems), args.samples).mean(1)
     result = {"experiment": "heldout", "checkpoint": ckpt, "machine": machine(), "problems": len(problems), "samples_per_problem":
