@@ -50,6 +50,7 @@ class Precision:
     vllm_dtype: str            # the same, spelled for vllm.LLM(dtype=...)
     head_fp32: bool            # the LM head in float32 on both sides
     device: str                # "cuda" when present, else "cpu"
+    kernels: str = "torch"     # "engine": the trainer runs vLLM's CPU kernels (aligned.py)
 
     def forward(self, model):
         """The model as the trainer runs it: idx -> logits on a copy of the float32 master
@@ -57,6 +58,9 @@ class Precision:
         head_dtype = torch.float32 if self.head_fp32 else None
         if self.dtype == torch.float32:
             return model
+        if self.kernels == "engine":
+            import aligned  # only when asked: the tutorial's path never reads vLLM's kernels
+            return aligned.forward(model, self.dtype)
         # On CUDA the 16-bit kernels are native; a CPU emulates them.
         on_cpu = self.device == "cpu"
         ops = TensorCoreMatmuls(self.dtype, strict=True) if on_cpu else nullcontext()
@@ -81,16 +85,20 @@ def autocast(name, device):
         return TensorCoreMatmuls(TORCH_DTYPE[name], strict=False)
     return torch.autocast(device_type=device, dtype=TORCH_DTYPE[name])
 
-def get_precision(name, engine=None, lm_head="same", device=None):
+def get_precision(name, engine=None, lm_head="same", device=None, kernels="torch"):
     """name: the trainer's dtype; engine: the engine's (default: the same); lm_head: "same"
-    or "fp32"."""
+    or "fp32"; kernels: "torch", or "engine" (vLLM's CPU kernels in the trainer)."""
     engine = engine or name
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     no_bf16 = device == "cuda" and not torch.cuda.is_bf16_supported()
     if "bf16" in (name, engine) and no_bf16:
         raise ValueError("bf16: this GPU has no bfloat16 support (use fp16 or fp32)")
+    if kernels == "engine" and (name == "fp32" or engine != name or lm_head == "fp32"
+                                or device != "cpu"):
+        raise ValueError("--trainer-kernels engine: bf16 or fp16, on a CPU, with the engine "
+                         "in the same dtype and the same LM head (the kernels matched)")
     return Precision(name, TORCH_DTYPE[name], TORCH_DTYPE[engine], VLLM_DTYPE[engine],
-                     lm_head == "fp32", device)
+                     lm_head == "fp32", device, kernels)
 
 # Every matrix-multiply-class op a forker might write; on a GPU each is a tensor-core kernel.
 T = torch.Tensor

@@ -404,7 +404,8 @@ def read_metrics(path):
 
 def train(args, llm=None):
     """The whole run. `llm`: a running engine to reuse (the tests share one)."""
-    prec = get_precision(args.dtype, args.engine_dtype, args.lm_head)
+    prec = get_precision(args.dtype, args.engine_dtype, args.lm_head,
+                         kernels=args.trainer_kernels)
     eval_problems, train_batch = task.make_splits(args.seed, args.n_items, N_EVAL)
     cfg = model_config(args.n_items, args.max_new_tokens, args.n_layer, args.n_head,
                        args.n_embd)
@@ -419,7 +420,8 @@ def train(args, llm=None):
     sync_weights(llm, hf_named_tensors(model), prec.engine_dtype)  # the trainer's weights
     acc0 = evaluate(llm, eval_problems, args, -1) if start == 0 else None
     head = "fp32" if prec.head_fp32 else args.dtype
-    print(f"trainer {args.dtype} | engine {prec.vllm_dtype} | LM head {head} | "
+    kernels = " on the engine's kernels" if prec.kernels == "engine" else ""
+    print(f"trainer {args.dtype}{kernels} | engine {prec.vllm_dtype} | LM head {head} | "
           f"{machine_line(machine())} | held-out accuracy before RL {acc0}")
     skips = 0
     for step in range(start, args.steps):
@@ -478,6 +480,8 @@ def get_args(argv=None):
     add("--dtype", default="fp16", choices=DTYPES, help="the trainer's dtype, and the engine's")
     add("--engine-dtype", default=None, choices=DTYPES, help="the engine's; none: --dtype's")
     add("--lm-head", default="same", choices=["same", "fp32"], help="fp32 on both sides")
+    add("--trainer-kernels", default="torch", choices=["torch", "engine"],
+        help="engine: the trainer runs vLLM's CPU kernels, no mismatch (aligned.py)")
     add("--out", default=None, help="output folder; none: runs/<dtype>")
     add("--seed", type=int, default=0, help="task splits, warm start, and the RL phase")
     add("--rl-seed", type=int, default=None, help="the RL phase alone; none: --seed")
@@ -514,7 +518,8 @@ def check_flags(args, p):
     if importlib.util.find_spec("vllm") is None:
         p.error("vLLM is not installed: run `bash setup.sh`")
     try:
-        get_precision(args.dtype, args.engine_dtype, args.lm_head)  # bf16 on an old GPU
+        get_precision(args.dtype, args.engine_dtype, args.lm_head,  # bf16 on an old GPU
+                      kernels=args.trainer_kernels)
         model_config(args.n_items, args.max_new_tokens, args.n_layer, args.n_head, args.n_embd)
         load_hf(args.init) if args.init else None
     except ValueError as e:

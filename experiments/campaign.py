@@ -34,10 +34,11 @@ ARMS = {  # the flags every variant of an arm shares
 }
 VARIANTS = {"fp16": ["--dtype", "fp16"], "bf16": ["--dtype", "bf16"], "fp32": ["--dtype", "fp32"],
             "bf16-head32": ["--dtype", "bf16", "--lm-head", "fp32"],
-            "bf16-engine32": ["--dtype", "bf16", "--engine-dtype", "fp32"]}
+            "bf16-engine32": ["--dtype", "bf16", "--engine-dtype", "fp32"],
+            "bf16-aligned": ["--dtype", "bf16", "--trainer-kernels", "engine"]}
 PLANS = {  # arms in priority order, each with its variants
-    "campaign": [("gspo-engine", ["fp16", "bf16", "fp32", "bf16-head32", "bf16-engine32"]),
-                 ("drgrpo-mb4", ["fp16", "bf16", "fp32"]), ("grpo", ["fp16", "bf16", "fp32"]),
+    "campaign": [("gspo-engine", ["fp16", "bf16", "fp32", "bf16-head32", "bf16-engine32", "bf16-aligned"]),
+                 ("drgrpo-mb4", ["fp16", "bf16", "fp32", "bf16-aligned"]), ("grpo", ["fp16", "bf16", "fp32", "bf16-aligned"]),
                  ("gspo", ["fp16", "bf16"]), ("seq-mis-engine", ["fp16", "bf16"]), ("pg-seq-is", ["fp16", "bf16"])],
     "smoke": [("grpo", ["fp32"])],  # the tests' plan: one run per seed
 }
@@ -99,9 +100,7 @@ def main(argv=None):
     todo = [(n, f) for n, f in runs if not finished(os.path.join(results, n))]
     print(f"plan {args.plan}: {len(runs)} runs, {len(runs) - len(todo)} done in {results}", flush=True)
     if args.list:
-        for name, _ in runs:
-            print(f"  {'done' if finished(os.path.join(results, name)) else 'todo'}  {name}")
-        return
+        return print("\n".join(f"  {'todo' if (n, f) in todo else 'done'}  {n}" for n, f in runs))
     os.makedirs(results, exist_ok=True)
     timed = []
     for i, (name, flags) in enumerate(todo):

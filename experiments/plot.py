@@ -5,8 +5,8 @@ experiments/plot.py: the figures and tables, each drawn from files a command wro
     python experiments/plot.py probe runs/probe.json --out figures/probe.png          # each token's mu against pi
     python experiments/plot.py fixes figures/probe.json figures/campaign.json --out figures/fixes.png
 
-experiment: run folders ARM-VARIANT-sSEED (VARIANT: fp16, bf16, fp32, bf16-head32 = --lm-head fp32,
-bf16-engine32 = --engine-dtype fp32), as experiments/campaign.py leaves them. Per arm and variant: n,
+experiment: run folders ARM-VARIANT-sSEED (VARIANT: fp16, bf16, fp32, bf16-head32 = --lm-head fp32, bf16-engine32 =
+--engine-dtype fp32, bf16-aligned = --trainer-kernels engine), as experiments/campaign.py leaves them. Per arm and variant: n,
 mean and standard error (ddof 1) over seeds of the last-10 training reward and of the held-out accuracy
 read by one fp32 engine (heldout.json), and each one's difference from bf16 paired by seed (same
 prompts and random numbers) with a 95 % t interval and an exact sign-flip test; printed as the
@@ -30,7 +30,8 @@ from precision import machine_line  # noqa: E402
 from train_grpo import read_metrics, write_atomic  # noqa: E402
 from experiments.probe import fmt, t_quantile  # noqa: E402
 
-COLORS = {"fp16": "tab:blue", "bf16": "tab:red", "fp32": "0.35", "bf16-head32": "tab:orange", "bf16-engine32": "tab:purple"}
+COLORS = {"fp16": "tab:blue", "bf16": "tab:red", "fp32": "0.35", "bf16-head32": "tab:orange", "bf16-engine32": "tab:purple",
+          "bf16-aligned": "tab:green"}
 PANELS = [("reward_mean", "training reward"), ("eval_accuracy", "held-out accuracy"),
           ("mismatch_logp_abs_mean", "mean |log mu - log pi|"), ("clip_frac_neg", "clipped tokens, A < 0"),
           ("clip_frac_pos", "clipped tokens, A > 0")]
@@ -40,6 +41,7 @@ FIXES = [  # variant, the probe's matched (engine, trainer) row, what adopting i
     ("bf16-head32", ("bf16+head32", "bf16+head32"), "6 lines: model.forward's head_dtype, Precision, hf_overrides, the flag"),
     ("bf16-engine32", ("fp32", "bf16"), "3 lines: get_precision's engine dtype, the sync's cast to it, the flag"),
     ("fp32", ("fp32", "fp32"), "a flag, --dtype fp32: no 16-bit rounding on either side"),
+    ("bf16-aligned", ("bf16", "bf16-aligned"), "aligned.py: the trainer calls vLLM's CPU ops, backward by hand; CPU only"),
 ]
 
 def refuse(message):
@@ -47,7 +49,7 @@ def refuse(message):
     sys.exit(2)
 
 def variant(args):
-    name = args["dtype"] + ("-head32" if args.get("lm_head") == "fp32" else "")
+    name = args["dtype"] + ("-head32" if args.get("lm_head") == "fp32" else "") + ("-aligned" if args.get("trainer_kernels") == "engine" else "")
     return name + (f"-engine{args['engine_dtype'][2:]}" if args.get("engine_dtype", args["dtype"]) != args["dtype"] else "")
 
 def mean_se(x):  # the mean and its standard error (ddof 1; None for one value)

@@ -25,14 +25,19 @@ from precision import INIT_SCALE, autocast, get_precision, machine, machine_line
 from rollout import generate, prefill_logprobs, start_engine, sync_weights  # noqa: E402
 
 # Each side's way of computing: a dtype, "+head32" for the fp32 LM head (--lm-head fp32), "-autocast"
-# for the gentler mixed precision (16-bit matmuls over float32 weights and residual stream).
+# for the gentler mixed precision (16-bit matmuls over float32 weights and residual stream), "-aligned"
+# for the trainer on the engine's kernels (--trainer-kernels engine).
 ENGINES = ("fp32", "bf16", "fp16", "bf16+head32", "fp16+head32")
-TRAINERS = ("fp32", "bf16", "fp16", "bf16-autocast", "fp16-autocast", "bf16+head32", "fp16+head32")
+TRAINERS = ("fp32", "bf16", "fp16", "bf16-autocast", "fp16-autocast", "bf16+head32", "fp16+head32", "bf16-aligned", "fp16-aligned")
 DTYPES = ("fp32", "bf16", "fp16")
 RESAMPLES = 2000  # bootstrap resamples of the sequences, for the paired ratios' intervals
 
 def precision_of(mode, device):
-    return get_precision(mode.split("+")[0].split("-")[0], lm_head="fp32" if "+head32" in mode else "same", device=device)
+    return get_precision(mode.split("+")[0].split("-")[0], lm_head="fp32" if "+head32" in mode else "same", device=device,
+                         kernels="engine" if mode.endswith("aligned") else "torch")
+
+def trainers_of(eng):  # a dtype's engine: the plain trainers and its aligned one; a fix's engine: its trainer, and fp32
+    return (*TRAINERS[:5], *(t for t in TRAINERS if t == f"{eng}-aligned")) if eng in DTYPES else (eng, "fp32")
 
 def trainer_logprobs(model, mode, idx, device):
     if mode.endswith("autocast"):
@@ -88,12 +93,11 @@ def paired_ratio(d_a, d_b, mask, seed=0):
     return {"ratio": float(a.sum() / b.sum()), "ci95": [float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))]}
 
 def mismatch(args, engine=None):
-    """On the held-out prompts, --group-size samples each, three tables. own: each engine samples
-    (timed the second time, after a warm-up) and each trainer mode scores: what a run sees. self: each
-    engine's decode log-probs of its samples against its prefill of them: the floor for a trainer on
-    its kernels. paired: the fp32 engine's samples scored by every engine's prefill and every trainer,
-    each row over the bf16 row on the same tokens, with a 95 % bootstrap interval. Then each trainer
-    mode's forward + backward of 512 sequences, timed."""
+    """On the held-out prompts, --group-size samples each, three tables. own: each engine samples (timed the
+    second time, after a warm-up) and each trainer mode scores: what a run sees. self: each engine's decode
+    log-probs of its samples against its prefill of them. paired: the fp32 engine's samples scored by every
+    engine's prefill and every trainer, each row over the bf16 row on the same tokens, with a 95 % bootstrap
+    interval. Then each trainer mode's forward + backward of 512 sequences, timed."""
     ckpt, model, device, get_engine = setup(args, engine)
     prompts = held_out_prompts(args)
     rows, self_rows, paired, tokens, speed, cost = [], [], [], {}, {}, {}
@@ -108,20 +112,21 @@ def mismatch(args, engine=None):
         speed[eng] = mask.sum().item() / seconds
         self_rows.append({"engine": eng, **mismatch_metrics(mu, prefill(llm, samples, device), mask)})
         with torch.no_grad():
-            for tr in TRAINERS[:5] if eng in DTYPES else (eng, "fp32"):  # a fix's engine: its own trainer, and fp32
+            for tr in trainers_of(eng):
                 pi = trainer_logprobs(model, tr, idx, device)
                 rows.append({"engine": eng, "trainer": tr, **mismatch_metrics(mu, pi, mask)})
                 if tr == eng:  # every sampled token's (mu, pi), for the scatter figure
                     tokens[eng] = {"mu": mu[mask.bool()].tolist(), "pi": pi[mask.bool()].tolist()}
         mu_common = prefill(llm, common[0], device)
-        for tr in TRAINERS[:5] if eng in DTYPES else (eng, "fp32"):
+        for tr in trainers_of(eng):
             d = mu_common - pis[tr]
             if (eng, tr) == ("bf16", "bf16"):
                 base = d
             paired.append({"engine": eng, "trainer": tr, "d": d, **mismatch_metrics(mu_common, pis[tr], common[2])})
         if eng == "bf16":  # rounds over the modes after a warm-up round, so drift hits every mode alike
-            times = [[time_fwd_bwd(model, tr, idx[:512], device) for tr in ENGINES] for _ in range(4)][1:]
-            cost = {tr: sorted(t[i] for t in times)[1] for i, tr in enumerate(ENGINES)}  # each side of a fix
+            modes = (*ENGINES, "bf16-aligned")  # each side of a fix
+            times = [[time_fwd_bwd(model, tr, idx[:512], device) for tr in modes] for _ in range(4)][1:]
+            cost = {tr: sorted(t[i] for t in times)[1] for i, tr in enumerate(modes)}
     for r in paired:
         r["over_bf16"] = paired_ratio(r.pop("d"), base, common[2])
     matched = {r["engine"]: r for r in rows if r["engine"] == r["trainer"]}
@@ -155,8 +160,9 @@ def print_mismatch(result):
               + f" {o['ratio']:>7.3f} [{o['ci95'][0]:.3f}, {o['ci95'][1]:.3f}]")
     speed, cost = result["engine_tokens_per_s"], result["trainer_fwd_bwd_s"]
     print("\nthe cost (against bf16): engine sampling, tokens/s; trainer forward + backward of 512 sequences, s")
-    for eng in ENGINES:
-        print(f"{eng:12} engine {speed[eng]:>6.0f} {speed[eng] / speed['bf16']:5.2f}x | trainer {cost[eng]:5.2f} {cost[eng] / cost['bf16']:5.2f}x")
+    for eng in (*ENGINES, "bf16-aligned"):
+        s = f"engine {speed[eng]:>6.0f} {speed[eng] / speed['bf16']:5.2f}x" if eng in speed else f"{'':20}"
+        print(f"{eng:12} {s} | trainer {cost[eng]:5.2f} {cost[eng] / cost['bf16']:5.2f}x")
 
 def time_fwd_bwd(model, mode, idx, device):  # seconds for one forward + backward
     t0 = time.perf_counter()

@@ -27,6 +27,9 @@ from model import load_hf, save_hf
     (["--max-skips", "3"], "--max-skips"),  # a named constant now, no longer a flag
     (["--dr-grpo", "--algorithm", "gspo"], "--dr-grpo"),
     (["--algorithm", "token-tis", "--behavior-logp", "engine"], "token-tis"),
+    (["--trainer-kernels", "gpu"], "--trainer-kernels"), (["--trainer-kernels", "engine", "--dtype", "fp32"], "--trainer-kernels"),
+    (["--trainer-kernels", "engine", "--dtype", "bf16", "--engine-dtype", "fp32"], "--trainer-kernels"),
+    (["--trainer-kernels", "engine", "--dtype", "bf16", "--lm-head", "fp32"], "--trainer-kernels"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
