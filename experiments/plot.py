@@ -211,6 +211,8 @@ def fixes(args):
     names = [e["fix"] for e in table]
     axes[0, 0].barh(names, [e["mismatch_logp_abs_mean"] for e in table], color=[COLORS[n] for n in names])
     axes[0, 0].set(xscale="log", title="mean |log mu - log pi|\n(offline, identical tokens)")
+    for i in [i for i, e in enumerate(table) if e["mismatch_logp_abs_mean"] == 0]:  # a log axis has no 0: say it
+        axes[0, 0].text(min(e["mismatch_logp_abs_mean"] for e in table if e["mismatch_logp_abs_mean"] > 0), i, " 0", va="center")
     for ax, arm in zip(axes[0, 1:], arms):
         for i, e in enumerate(table):
             d = e["rl"][arm]
