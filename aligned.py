@@ -131,10 +131,16 @@ def rope_table(cfg, dtype):
     freqs = torch.einsum("i,j -> ij", t, inv_freq)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
 
+def fire(module, inputs, output):
+    """The module's forward hooks, given the engine's values (the instruments read them)."""
+    for hook in module._forward_hooks.values():
+        hook(module, inputs, output)
+
 def forward(model, dtype):
     """As precision.Precision.forward: idx (B, T) -> logits (B, T, vocab) in `dtype`, each row
     computed as the engine computes one sequence; differentiable in the float32 master weights.
-    model.norm's forward hooks (train_grpo.score's instruments) see the final norm's values."""
+    The hooks of model.norm (train_grpo.score) and of each block (probe.py layer_errors) fire
+    with the final norm's input and output, and the residual stream after each block."""
     cfg = model.cfg
     H, D, eps = cfg.n_head, cfg.n_embd // cfg.n_head, cfg.norm_eps
     table = rope_table(cfg, dtype)
@@ -157,8 +163,9 @@ def forward(model, dtype):
             gate_up = Linear.apply(h, torch.cat([w("mlp.gate_proj"), w("mlp.up_proj")]))
             gate, up = gate_up.split(cfg.n_hidden, dim=-1)
             x = Linear.apply(F.silu(gate) * up, w("mlp.down_proj"))
+            if model.layers[i]._forward_hooks:  # the stream the next norm forms, rounded
+                fire(model.layers[i], (None,), (x + residual).view(B, T, -1))
         h, residual = rms_norm(x, W["norm.weight"], eps, residual)
-        for hook in model.norm._forward_hooks.values():
-            hook(model.norm, (residual.view(B, T, -1),), h.view(B, T, -1))
+        fire(model.norm, (residual.view(B, T, -1),), h.view(B, T, -1))
         return Linear.apply(h, W["lm_head.weight"]).view(B, T, -1)
     return run

@@ -14,7 +14,7 @@ get_precision(dtype, engine_dtype, lm_head) decides for a whole run:
     16-bit backward flushes smaller gradients to zero unless the loss is scaled up first.
     BF16 has float32's exponent range. A disabled scaler passes every call straight through.
 
-    format  mantissa bits  exponent bits  epsilon  smallest normal   (experiments/formats.py)
+    format  mantissa bits  exponent bits  epsilon  smallest normal   (torch.finfo)
     fp32    23             8              1.2e-7   1.2e-38
     fp16    10             5              9.8e-4   6.1e-5
     bf16    7              8              7.8e-3   1.2e-38

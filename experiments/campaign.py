@@ -7,7 +7,8 @@ at any moment, run the same command again, and it goes on where it stopped.
 
 A run is `train_grpo.py --seed S` with its arm's and variant's flags, in runs/campaign/ARM-VARIANT-sS
 (--seed picks the warm start too: one per seed, cached); a run left half done is resumed. A finished
-run's policy is read by one fp32 engine (probe.py heldout), then its small files go to
+run's policy is read by one fp32 engine (probe.py heldout; in PROBED arms also by probe.py mismatch
+--quick, and each seed's warm start once), then its small files go to
 results/<machine>/: committed, skipped next time, and what plot.py draws from. <machine> is the CPU
 model and the ISA features vLLM's kernels read: runs are paired only within one machine's folder.
 """
@@ -43,6 +44,11 @@ PLANS = {  # arms in priority order, each with its variants
     "smoke": [("grpo", ["fp32"])],  # the tests' plan: one run per seed
 }
 
+PROBED = ("gspo-engine",)  # arms whose final policies (and each seed's warm start) probe.py also reads in bf16 and fp16
+
+def probed(name):
+    return name.startswith(tuple(f"{arm}-" for arm in PROBED))
+
 def machine_group(m):
     """results/ subfolder name: the CPU (or GPU) model and the ISA features, as a slug."""
     name = f"{m['gpu'] or m['cpu']} {' '.join(m['cpu_isa'])}".lower()
@@ -54,16 +60,20 @@ def plan_runs(args):
     return [(f"{arm}-{v}-s{seed}", ["--seed", str(seed), *ARMS[arm], *VARIANTS[v]])
             for arm, variants in PLANS[args.plan] for seed in args.seeds for v in variants]
 
-def finished(folder):  # its metrics reach args.json's step count and its held-out reading is in
+def finished(folder):  # its metrics reach args.json's step count and its readings are in
     try:
         steps = json.load(open(os.path.join(folder, "args.json")))["steps"]
         rows = sum(1 for _ in open(os.path.join(folder, "metrics.jsonl")))
-        return rows >= steps and os.path.isfile(os.path.join(folder, "heldout.json"))
+        return rows >= steps and all(os.path.isfile(os.path.join(folder, f)) for f in readings(os.path.basename(folder)))
     except (OSError, ValueError, KeyError):
         return False
 
+def readings(name):
+    return ("heldout.json", "probe.json") if probed(name) else ("heldout.json",)
+
 def run_one(name, flags, args, results):
-    """Train (or resume) one run, read its policy's held-out accuracy, copy its small files."""
+    """Train (or resume) one run, read its policy's held-out accuracy (and, in PROBED arms, its mismatch on identical
+    tokens in bf16 and fp16 and per layer: probe.py mismatch --quick, the seed's warm start's too), copy its small files."""
     out = os.path.join(args.runs, name)
     resume = ["--resume"] if os.path.isfile(os.path.join(out, "checkpoint.pt")) else []
     if not resume and os.path.isdir(out):
@@ -71,11 +81,18 @@ def run_one(name, flags, args, results):
     train = [sys.executable, "train_grpo.py", *flags, *args.extra, "--out", out, *resume]
     heldout = [sys.executable, "experiments/probe.py", "heldout", "--init", os.path.join(out, "hf"),
                "--seed", flags[1], "--samples", str(args.samples), "--json", os.path.join(out, "heldout.json")]
-    if any(subprocess.run(cmd, cwd=ROOT).returncode != 0 for cmd in (train, heldout)):  # in order, stops at a failure
+    steps = [train, heldout]
+    if probed(name):  # the policy's mismatch on identical tokens in bf16 and fp16 and per layer; the warm start's once
+        probe = [sys.executable, "experiments/probe.py", "mismatch", "--quick", "--group-size", "4", "--seed", flags[1]]
+        warm = os.path.join(results, f"warmstart-s{flags[1]}", "probe.json")
+        steps.append(probe + ["--init", os.path.join(out, "hf"), "--json", os.path.join(out, "probe.json")])
+        steps += [] if os.path.isfile(warm) else [probe + ["--json", warm]]
+        os.makedirs(os.path.dirname(warm), exist_ok=True)
+    if any(subprocess.run(cmd, cwd=ROOT).returncode != 0 for cmd in steps):  # in order, stops at a failure
         return False
     keep = os.path.join(results, name)
     os.makedirs(keep + ".tmp", exist_ok=True)
-    for f in ("args.json", "metrics.jsonl", "heldout.json"):
+    for f in ("args.json", "metrics.jsonl", *readings(name)):
         shutil.copy(os.path.join(out, f), os.path.join(keep + ".tmp", f))
     shutil.rmtree(keep, ignore_errors=True)
     os.replace(keep + ".tmp", keep)  # the results folder holds whole runs only

@@ -2,6 +2,7 @@
 experiments/plot.py: the figures and tables, each drawn from files a command wrote, printed as drawn.
 
     python experiments/plot.py experiment results/MACHINE --out figures/campaign.png  # RL over seeds, paired
+    python experiments/plot.py growth results/MACHINE --out figures/growth.png        # why the mismatch grows
     python experiments/plot.py probe runs/probe.json --out figures/probe.png          # each token's mu against pi
     python experiments/plot.py fixes figures/probe.json figures/campaign.json --out figures/fixes.png
 
@@ -10,7 +11,9 @@ experiment: run folders ARM-VARIANT-sSEED (VARIANT: fp16, bf16, fp32, bf16-head3
 mean and standard error (ddof 1) over seeds of the last-10 training reward and of the held-out accuracy
 read by one fp32 engine (heldout.json), and each one's difference from bf16 paired by seed (same
 prompts and random numbers) with a 95 % t interval and an exact sign-flip test; printed as the
-Markdown table the README holds. The numbers drawn go to a JSON beside the PNG.
+Markdown table the README holds. growth: the same runs, why the mismatch grows (decompose, growth; the
+probed arms' final policies and warm starts on identical tokens, and where in the network the error enters).
+The numbers drawn go to a JSON beside the PNG.
 """
 import argparse
 import itertools
@@ -31,7 +34,7 @@ from train_grpo import read_metrics, write_atomic  # noqa: E402
 from experiments.probe import fmt, t_quantile  # noqa: E402
 
 COLORS = {"fp16": "tab:blue", "bf16": "tab:red", "fp32": "0.35", "bf16-head32": "tab:orange", "bf16-engine32": "tab:purple",
-          "bf16-aligned": "tab:green"}
+          "bf16-aligned": "tab:green", "warm start": "k"}
 PANELS = [("reward_mean", "training reward"), ("eval_accuracy", "held-out accuracy"),
           ("mismatch_logp_abs_mean", "mean |log mu - log pi|"), ("clip_frac_neg", "clipped tokens, A < 0"),
           ("clip_frac_pos", "clipped tokens, A > 0")]
@@ -65,8 +68,8 @@ def paired(a, b):  # a - b by seed: mean, s.e., 95 % t interval, exact two-sided
             "p_sign_flip": sum(flips) / len(flips)}
 
 def load_experiment(folder):
-    """{arm: {variant: [(seed, rows, fp32 held-out accuracy or None)]}} of every finished run, and the
-    machine of its runs (one group: pairs across machines are not pairs)."""
+    """{arm: {variant: [(seed, rows, {the fp32 held-out accuracy, growth's figures})]}} of every finished run, and
+    the machine of its runs (one group: pairs across machines are not pairs)."""
     runs, machines = {}, set()
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
@@ -77,9 +80,11 @@ def load_experiment(folder):
             continue  # unfinished
         heldout = os.path.join(path, "heldout.json")
         acc = json.load(open(heldout))["accuracy"] if os.path.isfile(heldout) else None
+        probe = os.path.join(path, "probe.json")  # campaign.PROBED arms: the policy read by probe.py mismatch --quick
+        decompose(rows)
         v, seed = variant(args), args["rl_seed"]
         arm = name[:-len(f"-{v}-s{seed}")] if name.endswith(f"-{v}-s{seed}") else name
-        runs.setdefault(arm, {}).setdefault(v, []).append((seed, rows, acc))
+        runs.setdefault(arm, {}).setdefault(v, []).append((seed, rows, {"heldout": acc, **growth(rows, load(probe))}))
         machines.add(machine_line(args["machine"]))
     if not runs:
         refuse(f"{folder} holds no finished run folder named ARM-VARIANT-sSEED")
@@ -87,25 +92,61 @@ def load_experiment(folder):
         refuse(f"{folder} mixes runs of {len(machines)} machines: pairs across machines are not pairs")
     return runs, machines.pop()
 
-SUMMARY = (("reward_last10", "last-10 reward"), ("heldout", "held-out (fp32 engine)"))
+def load(path):
+    return json.load(open(path)) if os.path.isfile(path) else None
+
+def decompose(rows):
+    """Shift-share of the per-token mismatch's change since step 0 over the buckets of pi (precision.PI_EDGES), exact:
+    m_t - m_0 = sum_b (f_bt - f_b0) s_b0 (tokens changing bucket: "shift") + sum_b f_bt (s_bt - s_b0) (within a bucket)."""
+    share = lambda r: np.array(r["pi_bucket_frac"])  # noqa: E731
+    size = lambda r: np.nan_to_num(np.array(r["pi_bucket_logp_abs_mean"], dtype=float))  # an empty bucket: 0 x 0  # noqa: E731
+    for r in rows:
+        r["mismatch_shift"] = float(((share(r) - share(rows[0])) * size(rows[0])).sum())
+        r["mismatch_within"] = float((share(r) * (size(r) - size(rows[0]))).sum())
+
+def growth(rows, probe):
+    """Per run: the last 10 steps over step 0 (a ratio), the rise's two parts (decompose), and the final policy's
+    mismatch on identical tokens in bf16 and fp16 (its probe), with its layer errors."""
+    last = lambda k: float(np.mean([r[k] for r in rows[-10:]]))  # noqa: E731
+    ratio = lambda k: last(k) / rows[0][k] if rows[0][k] else None  # noqa: E731
+    return {"mismatch_growth": ratio("mismatch_logp_abs_mean"), "within": last("mismatch_within"), "shift": last("mismatch_shift"),
+            "length_growth": ratio("response_len_mean"),
+            "entropy_growth": ratio("entropy_mean"), "logit_rms_growth": ratio("logit_rms"),
+            **probed(probe)}
+
+def probed(probe):  # a policy's matched bf16 and fp16 mismatch on identical tokens, and its layer errors (None: not probed)
+    pairs = {r["trainer"]: r["mismatch_logp_abs_mean"] for r in probe["paired_rows"] if r["engine"] == r["trainer"]} if probe else {}
+    return {"probe_bf16": pairs.get("bf16"), "probe_fp16": pairs.get("fp16"), "layers": probe and probe["layers"]}
+
+SUMMARY = (("reward_last10", "last-10 reward", ".4f"), ("heldout", "held-out (fp32 engine)", ".4f"))
+GROWTH = (("mismatch_growth", "per-token mismatch, last 10 steps over step 0", ".2f"), ("within", "its rise within buckets of pi", ".2e"),
+          ("shift", "its rise from tokens changing bucket", ".2e"), ("length_growth", "response length, last 10 over step 0", ".2f"),
+          ("entropy_growth", "entropy of the sampled tokens, the same", ".2f"), ("logit_rms_growth", "RMS of the logits, the same", ".2f"),
+          ("probe_bf16", "the final policy's bf16 mismatch on identical tokens (its probe)", ".3e"), ("probe_fp16", "the same in fp16", ".3e"))
+GROWTH_PANELS = [("mismatch_logp_abs_mean", "mean |log mu - log pi|"), ("mismatch_within", "its rise within buckets of pi"),
+                 ("mismatch_shift", "its rise from tokens changing bucket"), ("entropy_mean", "entropy of the sampled tokens"),
+                 ("logit_rms", "RMS of the logits"), ("response_len_mean", "response length")]
 
 def experiment(args):
+    """experiment: the sanity table and the RL curves; growth (#24): why the mismatch grows, the same way."""
     runs, where = load_experiment(args.path)
     out = {"machine": where, "arms": {}}
-    fig, axes = plt.subplots(len(runs), len(PANELS), figsize=(3.8 * len(PANELS), 3.1 * len(runs)), squeeze=False)
+    panels, summary = (GROWTH_PANELS, GROWTH) if args.figure == "growth" else (PANELS, SUMMARY)
+    fig, axes = plt.subplots(len(runs), len(panels), figsize=(3.8 * len(panels), 3.1 * len(runs)), squeeze=False)
     for row, (arm, by_variant) in enumerate(runs.items()):
         cells = out["arms"][arm] = {}
         for v in sorted(by_variant, key=lambda v: list(COLORS).index(v) if v in COLORS else 99):
             seeds = sorted(by_variant[v], key=lambda s: s[0])
             cell = cells[v] = {"seeds": [s for s, _, _ in seeds], "n": len(seeds), "curves": {}}
-            cell["heldout"] = [acc for _, _, acc in seeds]
+            for key in ("heldout", "layers", *(k for k, *_ in GROWTH)):
+                cell[key] = [x[key] for _, _, x in seeds]
             cell["eval_before"] = [rows[0].get("eval_accuracy_before") for _, rows, _ in seeds]
             cell["reward_last10"] = [float(np.mean([r["reward_mean"] for r in rows[-10:]])) for _, rows, _ in seeds]
             for key in ("mismatch_logp_abs_mean", "clip_frac_pos", "clip_frac_neg", "time_step_s"):
                 per_seed = [np.mean([r[key] for r in rows if r.get(key) is not None]) for _, rows, _ in seeds
                             if any(r.get(key) is not None for r in rows)]
                 cell[key] = mean_se(per_seed)[0] if per_seed else None  # the mean over steps, then over seeds
-            for col, (key, label) in enumerate(PANELS):
+            for col, (key, label) in enumerate(panels):
                 curves = [{r["step"]: r[key] for r in rows if r.get(key) is not None} for _, rows, _ in seeds]
                 steps = sorted(set.intersection(*(set(c) for c in curves)))
                 if not steps:
@@ -121,9 +162,13 @@ def experiment(args):
                 ax.set_yscale("log" if key == "mismatch_logp_abs_mean" else "linear")
                 ax.grid(alpha=0.3)
         axes[row, 0].legend(fontsize=7)
+        warm = [(s, load(os.path.join(args.path, f"warmstart-s{s}", "probe.json"))) for s in cells.get("bf16", {}).get("seeds", [])]
+        if args.figure == "growth" and any(p for _, p in warm):  # the third policy of the cross-probe: the warm start each seed began from
+            warm = [(s, probed(p)) for s, p in warm if p]
+            cells["warm start"] = {"seeds": [s for s, _ in warm], "n": len(warm), **{k: [p[k] for _, p in warm] for k in warm[0][1]}}
         for v, cell in cells.items():
-            for key, _ in SUMMARY:
-                values = [x for x in cell[key] if x is not None]
+            for key, *_ in summary:
+                values = [x for x in cell.get(key, []) if x is not None]
                 cell[key + "_mean"], cell[key + "_se"] = mean_se(values) if values else (None, None)
                 if v != "bf16" and "bf16" in cells:
                     common = sorted(s for s in set(cell["seeds"]) & set(cells["bf16"]["seeds"])
@@ -133,26 +178,37 @@ def experiment(args):
     for ax in axes[-1]:
         ax.set_xlabel("RL step")
     fig.suptitle(f"Mean over seeds (line) and its standard error (shade); {where}", fontsize=9)
-    print_table(out)
+    print_table(out, summary)
+    if args.figure == "growth":
+        print_layers(out)
     save(fig, args.out, out)
 
 def pick(cell, key, seed):
-    return cell[key][cell["seeds"].index(seed)]
+    return cell.get(key, [None] * cell["n"])[cell["seeds"].index(seed)]
 
-def print_table(out):
+def print_layers(out):
+    """Where the error enters, mean over the seeds' final policies: RMS(mode - fp32) / RMS(fp32) per block, norm, logits."""
+    for arm, cells in out["arms"].items():
+        for v, cell in cells.items():
+            for mode in ("bf16", "bf16-aligned", "fp16", "fp16-aligned") if any(cell.get("layers") or []) else ():
+                errs = np.mean([x[mode] for x in cell["layers"] if x], axis=0)
+                print(f"| {arm} | {v} (n={sum(1 for x in cell['layers'] if x)}) | {mode} | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
+
+def print_table(out, summary):
     """The sanity table: a row per arm, a column per variant; mean +- s.e. (n), and against bf16 the
     paired difference [95 % t interval] and the sign-flip p."""
     variants = [v for v in COLORS if any(v in cells for cells in out["arms"].values())]
-    for key, label in SUMMARY:
+    for key, label, spec in summary:
         print(f"\n{label}: mean +- s.e. over seeds (n); vs bf16 paired by seed: mean [95 % CI], sign-flip p\n")
         print("| arm | " + " | ".join(variants) + " |\n|---|" + "---|" * len(variants))
         for arm, cells in out["arms"].items():
-            print(f"| {arm} | " + " | ".join(describe(cells[v], key) if v in cells else "" for v in variants) + " |")
+            print(f"| {arm} | " + " | ".join(describe(cells[v], key, spec) if v in cells else "" for v in variants) + " |")
     print(f"\n{out['machine']}")
 
-def describe(cell, key):
-    d, text = cell.get(key + "_minus_bf16"), f"{fmt(cell[key + '_mean'], '.4f')} +- {fmt(cell[key + '_se'], '.4f')} ({cell['n']})"
-    return text + (f"<br>{d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}] p={d['p_sign_flip']:.3f}" if d else "")
+def describe(cell, key, spec):
+    d, text = cell.get(key + "_minus_bf16"), f"{fmt(cell[key + '_mean'], spec)} +- {fmt(cell[key + '_se'], spec)} ({cell['n']})"
+    return text + (f"<br>{fmt(d['mean'], '+' + spec)} [{fmt(d['ci95'][0], '+' + spec)}, {fmt(d['ci95'][1], '+' + spec)}] "
+                   f"p={d['p_sign_flip']:.3f}" if d else "")
 
 def save(fig, out, data=None):
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -225,16 +281,16 @@ def fixes(args):
 def main(argv=None):
     p = argparse.ArgumentParser(description="the figures: experiment, probe, fixes (the module docstring)")
     p.error = refuse
-    p.add_argument("figure", choices=["experiment", "probe", "fixes"])
+    p.add_argument("figure", choices=["experiment", "growth", "probe", "fixes"])
     p.add_argument("path", help="experiment: a folder of runs; probe, fixes: the JSON of `probe.py mismatch`")
     p.add_argument("experiment_json", nargs="?", help="fixes: the JSON `plot.py experiment` wrote")
     p.add_argument("--out", required=True, help="the PNG to write (and its JSON beside it)")
     args = p.parse_args(argv)
     if (args.figure == "fixes") != bool(args.experiment_json):
         refuse("fixes takes two JSON files (the probe's, the experiment's); experiment and probe take one path")
-    if args.figure == "experiment" and not os.path.isdir(args.path):
+    if args.figure in ("experiment", "growth") and not os.path.isdir(args.path):
         refuse(f"{args.path} is not a folder of runs")
-    {"experiment": experiment, "probe": probe, "fixes": fixes}[args.figure](args)
+    {"experiment": experiment, "growth": experiment, "probe": probe, "fixes": fixes}[args.figure](args)
 
 if __name__ == "__main__":
     main()

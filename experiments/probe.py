@@ -36,8 +36,9 @@ def precision_of(mode, device):
     return get_precision(mode.split("+")[0].split("-")[0], lm_head="fp32" if "+head32" in mode else "same", device=device,
                          kernels="engine" if mode.endswith("aligned") else "torch")
 
-def trainers_of(eng):  # a dtype's engine: the plain trainers and its aligned one; a fix's engine: its trainer, and fp32
-    return (*TRAINERS[:5], *(t for t in TRAINERS if t == f"{eng}-aligned")) if eng in DTYPES else (eng, "fp32")
+def trainers_of(eng, quick=False):  # a dtype's engine: the plain trainers and its aligned one; a fix's engine: its trainer, and fp32
+    aligned = tuple(t for t in TRAINERS if t == f"{eng}-aligned")
+    return (eng, *aligned) if quick else (*TRAINERS[:5], *aligned) if eng in DTYPES else (eng, "fp32")
 
 def trainer_logprobs(model, mode, idx, device):
     if mode.endswith("autocast"):
@@ -97,33 +98,36 @@ def mismatch(args, engine=None):
     second time, after a warm-up) and each trainer mode scores: what a run sees. self: each engine's decode
     log-probs of its samples against its prefill of them. paired: the fp32 engine's samples scored by every
     engine's prefill and every trainer, each row over the bf16 row on the same tokens, with a 95 % bootstrap
-    interval. Then each trainer mode's forward + backward of 512 sequences, timed."""
+    interval. Then each trainer mode's forward + backward of 512 sequences, timed, and where in the network each 16-bit
+    trainer's error enters (layer_errors). --quick (a trained policy's cross-probe): the three dtypes, matched and
+    aligned trainers, no costs, no tokens."""
     ckpt, model, device, get_engine = setup(args, engine)
     prompts = held_out_prompts(args)
     rows, self_rows, paired, tokens, speed, cost = [], [], [], {}, {}, {}
     common = sample(get_engine("fp32"), prompts, args.group_size, args, device)
+    engines = DTYPES if args.quick else ENGINES
     with torch.no_grad():
-        pis = {tr: trainer_logprobs(model, tr, common[1], device) for tr in TRAINERS}
+        pis = {tr: trainer_logprobs(model, tr, common[1], device) for eng in engines for tr in trainers_of(eng, args.quick)}
     base = None
-    for eng in ENGINES:
+    for eng in engines:
         llm = get_engine(eng)
         sample(llm, prompts, args.group_size, args, device)
         samples, idx, mask, mu, seconds = sample(llm, prompts, args.group_size, args, device)
         speed[eng] = mask.sum().item() / seconds
         self_rows.append({"engine": eng, **mismatch_metrics(mu, prefill(llm, samples, device), mask)})
         with torch.no_grad():
-            for tr in trainers_of(eng):
+            for tr in trainers_of(eng, args.quick):
                 pi = trainer_logprobs(model, tr, idx, device)
                 rows.append({"engine": eng, "trainer": tr, **mismatch_metrics(mu, pi, mask)})
-                if tr == eng:  # every sampled token's (mu, pi), for the scatter figure
+                if tr == eng and not args.quick:  # every sampled token's (mu, pi), for the scatter figure
                     tokens[eng] = {"mu": mu[mask.bool()].tolist(), "pi": pi[mask.bool()].tolist()}
         mu_common = prefill(llm, common[0], device)
-        for tr in trainers_of(eng):
+        for tr in trainers_of(eng, args.quick):
             d = mu_common - pis[tr]
             if (eng, tr) == ("bf16", "bf16"):
                 base = d
             paired.append({"engine": eng, "trainer": tr, "d": d, **mismatch_metrics(mu_common, pis[tr], common[2])})
-        if eng == "bf16":  # rounds over the modes after a warm-up round, so drift hits every mode alike
+        if eng == "bf16" and not args.quick:  # rounds over the modes after a warm-up round, so drift hits every mode alike
             modes = (*ENGINES, "bf16-aligned")  # each side of a fix
             times = [[time_fwd_bwd(model, tr, idx[:512], device) for tr in modes] for _ in range(4)][1:]
             cost = {tr: sorted(t[i] for t in times)[1] for i, tr in enumerate(modes)}
@@ -133,12 +137,28 @@ def mismatch(args, engine=None):
     # k1 is signed (its errors cancel), so a ratio of it means nothing; every other metric is >= 0.
     ratio = {k: matched["bf16"][k] / matched["fp16"][k] for k in matched["fp16"]
              if k.startswith("mismatch_") and k != "mismatch_k1"}
-    result = {"experiment": "mismatch", "checkpoint": ckpt, "machine": machine(),
+    layers = layer_errors(model, ("bf16", "fp16", "bf16-aligned", "fp16-aligned"), common[1], common[2], device)
+    result = {"experiment": "mismatch", "checkpoint": ckpt, "seed": args.seed, "machine": machine(), "layers": layers,
               "sequences_per_engine": len(prompts) * args.group_size, "tokens_per_engine": int(common[2].sum()),
               "rows": rows, "self_rows": self_rows, "paired_rows": paired, "bf16_over_fp16": ratio,
               "engine_tokens_per_s": speed, "trainer_fwd_bwd_s": cost, "tokens": tokens}
     print_mismatch(result)
     return result
+
+def layer_errors(model, modes, idx, mask, device):
+    """Where a trainer mode's error enters: its residual stream after each block, the final norm's output and the logits
+    against the float32 forward's on the same tokens, as RMS of the difference over RMS of the float32 value (response
+    positions). The aligned modes compute what the engine computes: the engine's own error, layer by layer."""
+    def activations(mode):
+        seen = []
+        hooks = [m.register_forward_hook(lambda m, i, o: seen.append(o.float())) for m in (*model.layers, model.norm)]
+        with torch.no_grad():
+            seen.append((model if mode == "fp32" else precision_of(mode, device).forward(model))(idx[:, :-1]).float())
+        [h.remove() for h in hooks]
+        return seen
+    on, ref = mask.bool(), activations("fp32")
+    rms = lambda x: x[on].double().pow(2).mean().sqrt().item()  # noqa: E731
+    return {mode: [rms(a - r) / rms(r) for a, r in zip(activations(mode), ref)] for mode in modes}
 
 def print_mismatch(result):
     keys = ["mismatch_k3", "mismatch_prob_abs_mean", "mismatch_prob_abs_max", "mismatch_logp_abs_mean", "mismatch_seq_logratio_abs"]
@@ -158,7 +178,13 @@ def print_mismatch(result):
         o = r["over_bf16"]
         print(f"{r['engine']:12} {r['trainer']:14} " + " ".join(f"{r[k]:>17.3e}" for k in keys)
               + f" {o['ratio']:>7.3f} [{o['ci95'][0]:.3f}, {o['ci95'][1]:.3f}]")
+    print(f"\nwhere the error enters: RMS of (mode - fp32) over RMS of fp32\n{'mode':14} "
+          + " ".join(f"{f'block {i}':>9}" for i in range(len(result['layers']['bf16']) - 2)) + f" {'norm':>9} {'logits':>9}")
+    for mode, errs in result["layers"].items():
+        print(f"{mode:14} " + " ".join(f"{e:>9.2e}" for e in errs))
     speed, cost = result["engine_tokens_per_s"], result["trainer_fwd_bwd_s"]
+    if not cost:
+        return
     print("\nthe cost (against bf16): engine sampling, tokens/s; trainer forward + backward of 512 sequences, s")
     for eng in (*ENGINES, "bf16-aligned"):
         s = f"engine {speed[eng]:>6.0f} {speed[eng] / speed['bf16']:5.2f}x" if eng in speed else f"{'':20}"
@@ -396,6 +422,7 @@ def get_args(argv=None):
     p.add_argument("--batch-size", type=tg.bounded(int, 1), default=64, help="scaler, audit: prompts per batch")
     p.add_argument("--batches", type=tg.bounded(int, 5), default=20, help="audit: independent batches (K) per dtype, >= 5")
     p.add_argument("--samples", type=tg.bounded(int, 1), default=8, help="heldout: samples of each held-out problem")
+    p.add_argument("--quick", action="store_true", help="mismatch: fp32, bf16, fp16 only, no costs, no tokens (a trained policy)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
     args.max_new_tokens, args.dr_grpo = 2 * args.n_items + 8, False

@@ -145,3 +145,29 @@ def test_campaign_runs_once_skips_what_is_done_and_resumes(warm_dir, tmp_path):
     os.rmdir(kept)
     resumed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "resuming" in resumed and (kept / "metrics.jsonl").read_text() == metrics
+
+
+def test_quick_probe_reads_a_policy_in_bf16_and_fp16_with_layer_errors(engine, warm_dir):
+    """probe.py mismatch --quick (the campaign's cross-probe of a trained policy): the three dtypes' engines, each with
+    its matched and aligned trainer, no costs and no tokens; per layer, every 16-bit mode's error against float32
+    is positive, and bf16's logits are further off than fp16's."""
+    result = probe.main(probe_argv("mismatch", "--quick", "--group-size", "2"), engine)
+    pairs = {(r["engine"], r["trainer"]) for r in result["paired_rows"]}
+    assert pairs == {("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "bf16-aligned"), ("fp16", "fp16"), ("fp16", "fp16-aligned")}
+    assert not result["tokens"] and not result["trainer_fwd_bwd_s"] and result["seed"] == 0
+    layers = result["layers"]
+    assert set(layers) == {"bf16", "fp16", "bf16-aligned", "fp16-aligned"}
+    assert all(len(e) == 4 + 2 and all(0 < x < 1 for x in e) for e in layers.values())
+    assert layers["bf16"][-1] > layers["fp16"][-1] and layers["bf16-aligned"][-1] > layers["fp16-aligned"][-1]
+
+
+def test_growth_decomposition_by_hand():
+    """m_t - m_0 = sum (f_t - f_0) s_0 + sum f_t (s_t - s_0), on two buckets, one empty at step 0."""
+    rows = [{"pi_bucket_frac": [0.0, 1.0], "pi_bucket_logp_abs_mean": [None, 1e-4]},
+            {"pi_bucket_frac": [0.25, 0.75], "pi_bucket_logp_abs_mean": [1e-3, 2e-4]}]
+    plot.decompose(rows)
+    assert rows[1]["mismatch_shift"] == pytest.approx(-0.25 * 1e-4)
+    assert rows[1]["mismatch_within"] == pytest.approx(0.25 * 1e-3 + 0.75 * 1e-4)
+    m = [sum(f * (s or 0) for f, s in zip(r["pi_bucket_frac"], r["pi_bucket_logp_abs_mean"])) for r in rows]
+    assert rows[1]["mismatch_shift"] + rows[1]["mismatch_within"] == pytest.approx(m[1] - m[0])
+    assert rows[0]["mismatch_shift"] == rows[0]["mismatch_within"] == 0
