@@ -188,6 +188,8 @@ def pick(cell, key, seed):
 
 def print_layers(out):
     """Where the error enters, mean over the seeds' final policies: RMS(mode - fp32) / RMS(fp32) per block, norm, logits."""
+    print("\nwhere the error enters (probe.layer_errors), mean over the probed seeds\n\n| arm | policy | mode | "
+          + " | ".join(f"block {i}" for i in range(4)) + " | norm | logits |\n" + "|---" * 9 + "|")
     for arm, cells in out["arms"].items():
         for v, cell in cells.items():
             for mode in ("bf16", "bf16-aligned", "fp16", "fp16-aligned") if any(cell.get("layers") or []) else ():
@@ -206,7 +208,8 @@ def print_table(out, summary):
     print(f"\n{out['machine']}")
 
 def describe(cell, key, spec):
-    d, text = cell.get(key + "_minus_bf16"), f"{fmt(cell[key + '_mean'], spec)} +- {fmt(cell[key + '_se'], spec)} ({cell['n']})"
+    n = sum(x is not None for x in cell.get(key, []))  # the seeds with this figure
+    d, text = cell.get(key + "_minus_bf16"), f"{fmt(cell[key + '_mean'], spec)} +- {fmt(cell[key + '_se'], spec)} ({n})"
     return text + (f"<br>{fmt(d['mean'], '+' + spec)} [{fmt(d['ci95'][0], '+' + spec)}, {fmt(d['ci95'][1], '+' + spec)}] "
                    f"p={d['p_sign_flip']:.3f}" if d else "")
 
