@@ -86,8 +86,9 @@ def run_one(name, flags, args, results):
         probe = [sys.executable, "experiments/probe.py", "mismatch", "--quick", "--group-size", "4", "--seed", flags[1]]
         warm = os.path.join(results, f"warmstart-s{flags[1]}", "probe.json")
         steps.append(probe + ["--init", os.path.join(out, "hf"), "--json", os.path.join(out, "probe.json")])
-        steps += [] if os.path.isfile(warm) else [probe + ["--json", warm]]
-        os.makedirs(os.path.dirname(warm), exist_ok=True)
+        if not os.path.isfile(warm):
+            os.makedirs(os.path.dirname(warm), exist_ok=True)
+            steps.append(probe + ["--json", warm])
     if any(subprocess.run(cmd, cwd=ROOT).returncode != 0 for cmd in steps):  # in order, stops at a failure
         return False
     keep = os.path.join(results, name)

@@ -162,9 +162,9 @@ def experiment(args):
                 ax.set_yscale("log" if key == "mismatch_logp_abs_mean" else "linear")
                 ax.grid(alpha=0.3)
         axes[row, 0].legend(fontsize=7)
-        warm = [(s, load(os.path.join(args.path, f"warmstart-s{s}", "probe.json"))) for s in cells.get("bf16", {}).get("seeds", [])]
-        if args.figure == "growth" and any(p for _, p in warm):  # the third policy of the cross-probe: the warm start each seed began from
-            warm = [(s, probed(p)) for s, p in warm if p]
+        seeds = cells.get("bf16", {}).get("seeds", []) if args.figure == "growth" else []
+        warm = [(s, probed(p)) for s in seeds if (p := load(os.path.join(args.path, f"warmstart-s{s}", "probe.json")))]
+        if warm:  # the third policy of the cross-probe: the warm start each seed began from
             cells["warm start"] = {"seeds": [s for s, _ in warm], "n": len(warm), **{k: [p[k] for _, p in warm] for k in warm[0][1]}}
         for v, cell in cells.items():
             for key, *_ in summary:
@@ -188,13 +188,17 @@ def pick(cell, key, seed):
 
 def print_layers(out):
     """Where the error enters, mean over the seeds' final policies: RMS(mode - fp32) / RMS(fp32) per block, norm, logits."""
+    probed = [(arm, v, [x for x in cell.get("layers") or [] if x]) for arm, cells in out["arms"].items() for v, cell in cells.items()]
+    probed = [(arm, v, layers) for arm, v, layers in probed if layers]
+    if not probed:
+        return
+    blocks = len(probed[0][2][0]["bf16"]) - 2  # the entries are the blocks, then the final norm and the logits
     print("\nwhere the error enters (probe.layer_errors), mean over the probed seeds\n\n| arm | policy | mode | "
-          + " | ".join(f"block {i}" for i in range(4)) + " | norm | logits |\n" + "|---" * 9 + "|")
-    for arm, cells in out["arms"].items():
-        for v, cell in cells.items():
-            for mode in ("bf16", "bf16-aligned", "fp16", "fp16-aligned") if any(cell.get("layers") or []) else ():
-                errs = np.mean([x[mode] for x in cell["layers"] if x], axis=0)
-                print(f"| {arm} | {v} (n={sum(1 for x in cell['layers'] if x)}) | {mode} | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
+          + " | ".join(f"block {i}" for i in range(blocks)) + " | norm | logits |\n" + "|---" * (blocks + 5) + "|")
+    for arm, v, layers in probed:
+        for mode in ("bf16", "bf16-aligned", "fp16", "fp16-aligned"):
+            errs = np.mean([x[mode] for x in layers], axis=0)
+            print(f"| {arm} | {v} (n={len(layers)}) | {mode} | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
 
 def print_table(out, summary):
     """The sanity table: a row per arm, a column per variant; mean +- s.e. (n), and against bf16 the

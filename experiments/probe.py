@@ -37,8 +37,10 @@ def precision_of(mode, device):
                          kernels="engine" if mode.endswith("aligned") else "torch")
 
 def trainers_of(eng, quick=False):  # a dtype's engine: the plain trainers and its aligned one; a fix's engine: its trainer, and fp32
-    aligned = tuple(t for t in TRAINERS if t == f"{eng}-aligned")
-    return (eng, *aligned) if quick else (*TRAINERS[:5], *aligned) if eng in DTYPES else (eng, "fp32")
+    if eng not in DTYPES:
+        return (eng, "fp32")
+    aligned = (f"{eng}-aligned",) if f"{eng}-aligned" in TRAINERS else ()  # fp32 has none
+    return (eng, *aligned) if quick else (*TRAINERS[:5], *aligned)
 
 def trainer_logprobs(model, mode, idx, device):
     if mode.endswith("autocast"):
