@@ -8,9 +8,9 @@ at any moment, run the same command again, and it goes on where it stopped.
 A run is `train_grpo.py --seed S` with its arm's and variant's flags, in runs/campaign/ARM-VARIANT-sS
 (--seed picks the warm start too: one per seed, cached); a run left half done is resumed. A finished
 run's policy is read by one fp32 engine (probe.py heldout; in PROBED arms also by probe.py mismatch
---quick, and each seed's warm start once), then its small files go to
-results/<machine>/: committed, skipped next time, and what plot.py draws from. <machine> is the CPU
-model and the ISA features vLLM's kernels read: runs are paired only within one machine's folder.
+--quick, and each seed's warm start once), then its small files go to results/<machine>/: committed,
+skipped next time, what plot.py draws from. <machine> is the CPU model and the ISA features vLLM's
+kernels read: runs are paired only within one machine's folder.
 """
 import argparse
 import json

@@ -3,17 +3,12 @@ experiments/plot.py: the figures and tables, each drawn from files a command wro
 
     python experiments/plot.py experiment results/MACHINE --out figures/campaign.png  # RL over seeds, paired
     python experiments/plot.py growth results/MACHINE --out figures/growth.png        # why the mismatch grows
-    python experiments/plot.py probe runs/probe.json --out figures/probe.png          # each token's mu against pi
-    python experiments/plot.py fixes figures/probe.json figures/campaign.json --out figures/fixes.png
+    python experiments/plot.py fixes figures/probe.json figures/campaign.json --out figures/fixes.json
 
-experiment: run folders ARM-VARIANT-sSEED (VARIANT: fp16, bf16, fp32, bf16-head32 = --lm-head fp32, bf16-engine32 =
---engine-dtype fp32, bf16-aligned = --trainer-kernels engine), as experiments/campaign.py leaves them. Per arm and variant: n,
-mean and standard error (ddof 1) over seeds of the last-10 training reward and of the held-out accuracy
-read by one fp32 engine (heldout.json), and each one's difference from bf16 paired by seed (same
-prompts and random numbers) with a 95 % t interval and an exact sign-flip test; printed as the
-Markdown table the README holds. growth: the same runs, why the mismatch grows (decompose, growth; the
-probed arms' final policies and warm starts on identical tokens, and where in the network the error enters).
-The numbers drawn go to a JSON beside the PNG.
+experiment: the run folders ARM-VARIANT-sSEED experiments/campaign.py leaves; per arm and variant n, mean and s.e.
+(ddof 1) over seeds of the last-10 reward and the fp32 engine's held-out accuracy, each paired by seed against bf16
+(95 % t interval, exact sign-flip p), printed as the README's Markdown table. growth: the same runs, why the mismatch
+grows. fixes: the fixes side by side, offline and in RL. The numbers drawn go to a JSON beside the PNG.
 """
 import argparse
 import itertools
@@ -217,14 +212,13 @@ def describe(cell, key, spec):
     return text + (f"<br>{fmt(d['mean'], '+' + spec)} [{fmt(d['ci95'][0], '+' + spec)}, {fmt(d['ci95'][1], '+' + spec)}] "
                    f"p={d['p_sign_flip']:.3f}" if d else "")
 
-def save(fig, out, data=None):
+def save(fig, out, data):
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.tight_layout()
     fig.savefig(out + ".tmp.png", dpi=100)
     os.replace(out + ".tmp.png", out)  # never a half-written PNG
-    if data is not None:
-        write_atomic(os.path.splitext(out)[0] + ".json", json.dumps(data, indent=1))
-    print(f"written {out}" + (f" and {os.path.splitext(out)[0]}.json" if data is not None else ""))
+    write_atomic(os.path.splitext(out)[0] + ".json", json.dumps(data, indent=1))
+    print(f"written {out} and {os.path.splitext(out)[0]}.json")
 
 def load_json(path, experiment):
     try:
@@ -232,29 +226,13 @@ def load_json(path, experiment):
     except (OSError, ValueError) as e:
         refuse(f"{path} is not the JSON of `{experiment}` ({type(e).__name__})")
 
-def probe(args):
-    """Each sampled token's engine probability mu against the trainer's pi, one dtype on both sides."""
-    result = load_json(args.path, "mismatch")
-    tokens = {d: result["tokens"][d] for d in ("bf16", "fp16", "fp32")}
-    fig, axes = plt.subplots(2, 3, figsize=(13.5, 8.2))
-    lim = np.abs(np.exp(tokens["bf16"]["mu"]) - np.exp(tokens["bf16"]["pi"])).max() * 1.05
-    for col, (dtype, t) in enumerate(tokens.items()):
-        mu, pi = np.exp(t["mu"]), np.exp(t["pi"])
-        axes[0, col].scatter(pi, mu, s=2, alpha=0.3, color=COLORS[dtype], rasterized=True)
-        axes[0, col].plot([0, 1], [0, 1], color="k", lw=0.6)
-        axes[0, col].set(title=f"engine and trainer both {dtype}", xlabel="trainer probability pi", ylabel="engine probability mu")
-        axes[1, col].scatter(pi, mu - pi, s=2, alpha=0.3, color=COLORS[dtype], rasterized=True)
-        axes[1, col].set(xlabel="trainer probability pi", ylabel="mu - pi (one scale for all)", ylim=(-lim, lim))
-        print(f"{dtype}: {len(mu)} tokens, max |mu - pi| {np.abs(mu - pi).max():.2e}, mean {np.abs(mu - pi).mean():.2e}")
-    m = result["machine"]
-    fig.suptitle(f"Every sampled token, {result['sequences_per_engine']} responses per dtype ({m['gpu'] or m['cpu']}, {m['vllm']})")
-    save(fig, args.out)
-
 def fixes(args):
     """The side-by-side table of the fixes: the mismatch each leaves on identical tokens (the probe's
     paired rows) against bf16's with its 95 % bootstrap interval, the RL result in each arm paired
     against bf16, what it costs (engine sampling, trainer forward + backward), and how to adopt it."""
     result, exp = load_json(args.path, "mismatch"), load_json(args.experiment_json, "experiment")
+    if machine_line(result["machine"]) != exp["machine"]:  # an offline row and an RL result of two chips are not one fix's
+        refuse(f"{args.path} and {args.experiment_json} come from different machines")
     rows = {(r["engine"], r["trainer"]): r for r in result["paired_rows"]}
     speed, cost = result["engine_tokens_per_s"], result["trainer_fwd_bwd_s"]
     table, arms = [], [a for a in exp["arms"] if any(c.get("reward_last10_minus_bf16") for c in exp["arms"][a].values())]
@@ -270,34 +248,22 @@ def fixes(args):
         cells = [f"{d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}] n={d['n']}" if d else "-" for d in entry["rl"].values()]
         print(f"{v:14} {entry['mismatch_logp_abs_mean']:>17.2e} {o['ratio']:>8.3f} [{o['ci95'][0]:.3f}, {o['ci95'][1]:.3f}] "
               + " ".join(f"{c:>40}" for c in cells) + f" {entry['engine_speed_vs_bf16']:>12.2f}x {entry['trainer_time_vs_bf16']:>7.2f}x  {how}")
-    fig, axes = plt.subplots(1, 1 + len(arms), figsize=(4.2 * (1 + len(arms)), 3.6), squeeze=False)
-    names = [e["fix"] for e in table]
-    axes[0, 0].barh(names, [e["mismatch_logp_abs_mean"] for e in table], color=[COLORS[n] for n in names])
-    axes[0, 0].set(xscale="log", title="mean |log mu - log pi|\n(offline, identical tokens)")
-    for i in [i for i, e in enumerate(table) if e["mismatch_logp_abs_mean"] == 0]:  # a log axis has no 0: say it
-        axes[0, 0].text(min(e["mismatch_logp_abs_mean"] for e in table if e["mismatch_logp_abs_mean"] > 0), i, " 0", va="center")
-    for ax, arm in zip(axes[0, 1:], arms):
-        for i, e in enumerate(table):
-            d = e["rl"][arm]
-            if d:
-                ax.errorbar(d["mean"], i, xerr=[[d["mean"] - d["ci95"][0]], [d["ci95"][1] - d["mean"]]], fmt="o", color=COLORS[e["fix"]])
-        ax.axvline(0, color="k", lw=0.6)
-        ax.set(yticks=range(len(names)), yticklabels=names, title=f"{arm}: last-10 reward - bf16's\n(paired by seed, 95 % CI)")
-    save(fig, args.out, {"fixes": table, "machine": result["machine"]})
+    write_atomic(args.out, json.dumps({"fixes": table, "machine": result["machine"]}, indent=1))
+    print(f"written {args.out}")
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="the figures: experiment, probe, fixes (the module docstring)")
+    p = argparse.ArgumentParser(description="the figures: experiment, growth, fixes (the module docstring)")
     p.error = refuse
-    p.add_argument("figure", choices=["experiment", "growth", "probe", "fixes"])
-    p.add_argument("path", help="experiment: a folder of runs; probe, fixes: the JSON of `probe.py mismatch`")
+    p.add_argument("figure", choices=["experiment", "growth", "fixes"])
+    p.add_argument("path", help="experiment, growth: a folder of runs; fixes: the JSON of `probe.py mismatch`")
     p.add_argument("experiment_json", nargs="?", help="fixes: the JSON `plot.py experiment` wrote")
-    p.add_argument("--out", required=True, help="the PNG to write (and its JSON beside it)")
+    p.add_argument("--out", required=True, help="the PNG to write, its JSON beside it (fixes: the JSON, a table only)")
     args = p.parse_args(argv)
     if (args.figure == "fixes") != bool(args.experiment_json):
-        refuse("fixes takes two JSON files (the probe's, the experiment's); experiment and probe take one path")
+        refuse("fixes takes two JSON files (the probe's, the experiment's); experiment and growth take one folder")
     if args.figure in ("experiment", "growth") and not os.path.isdir(args.path):
         refuse(f"{args.path} is not a folder of runs")
-    {"experiment": experiment, "growth": experiment, "probe": probe, "fixes": fixes}[args.figure](args)
+    {"experiment": experiment, "growth": experiment, "fixes": fixes}[args.figure](args)
 
 if __name__ == "__main__":
     main()

@@ -21,14 +21,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import task  # noqa: E402
 import train_grpo as tg  # noqa: E402
 from model import hf_named_tensors, load_hf, token_logprobs  # noqa: E402
-from precision import INIT_SCALE, autocast, get_precision, machine, machine_line, mismatch_metrics  # noqa: E402
+from precision import INIT_SCALE, get_precision, machine, machine_line, mismatch_metrics  # noqa: E402
 from rollout import generate, prefill_logprobs, start_engine, sync_weights  # noqa: E402
 
-# Each side's way of computing: a dtype, "+head32" for the fp32 LM head (--lm-head fp32), "-autocast"
-# for the gentler mixed precision (16-bit matmuls over float32 weights and residual stream), "-aligned"
-# for the trainer on the engine's kernels (--trainer-kernels engine).
+# Each side's way of computing: a dtype, "+head32" for the fp32 LM head (--lm-head fp32), "-aligned" for the
+# trainer on the engine's kernels (--trainer-kernels engine).
 ENGINES = ("fp32", "bf16", "fp16", "bf16+head32", "fp16+head32")
-TRAINERS = ("fp32", "bf16", "fp16", "bf16-autocast", "fp16-autocast", "bf16+head32", "fp16+head32", "bf16-aligned", "fp16-aligned")
 DTYPES = ("fp32", "bf16", "fp16")
 RESAMPLES = 2000  # bootstrap resamples of the sequences, for the paired ratios' intervals
 
@@ -39,13 +37,10 @@ def precision_of(mode, device):
 def trainers_of(eng, quick=False):  # a dtype's engine: the plain trainers and its aligned one; a fix's engine: its trainer, and fp32
     if eng not in DTYPES:
         return (eng, "fp32")
-    aligned = (f"{eng}-aligned",) if f"{eng}-aligned" in TRAINERS else ()  # fp32 has none
-    return (eng, *aligned) if quick else (*TRAINERS[:5], *aligned)
+    aligned = () if eng == "fp32" else (f"{eng}-aligned",)  # fp32 has none
+    return (eng, *aligned) if quick else (*DTYPES, *aligned)
 
 def trainer_logprobs(model, mode, idx, device):
-    if mode.endswith("autocast"):
-        with autocast(mode.split("-")[0], device):
-            return token_logprobs(model, idx)
     return token_logprobs(precision_of(mode, device).forward(model), idx)
 
 def setup(args, engine=None):
@@ -65,9 +60,6 @@ def setup(args, engine=None):
         sync_weights(engines[mode], hf_named_tensors(model), prec.engine_dtype)
         return engines[mode]
     return ckpt, model, device, get_engine
-
-def held_out_prompts(args):
-    return [task.prompt_ids(p) for p, _ in task.make_splits(args.seed, args.n_items, tg.N_EVAL)[0]]
 
 def sample(llm, prompts, n, args, device):  # -> samples, idx, mask, mu, seconds
     torch.manual_seed(task.seed_of("probe", args.seed))  # the global generator: the same numbers per engine
@@ -102,10 +94,10 @@ def mismatch(args, engine=None):
     engine's prefill and every trainer, each row over the bf16 row on the same tokens, with a 95 % bootstrap
     interval. Then each trainer mode's forward + backward of 512 sequences, timed, and where in the network each 16-bit
     trainer's error enters (layer_errors). --quick (a trained policy's cross-probe): the three dtypes, matched and
-    aligned trainers, no costs, no tokens."""
+    aligned trainers, no costs."""
     ckpt, model, device, get_engine = setup(args, engine)
-    prompts = held_out_prompts(args)
-    rows, self_rows, paired, tokens, speed, cost = [], [], [], {}, {}, {}
+    prompts = [task.prompt_ids(p) for p, _ in task.make_splits(args.seed, args.n_items, tg.N_EVAL)[0]]  # held out
+    rows, self_rows, paired, speed, cost = [], [], [], {}, {}
     common = sample(get_engine("fp32"), prompts, args.group_size, args, device)
     engines = DTYPES if args.quick else ENGINES
     with torch.no_grad():
@@ -121,8 +113,6 @@ def mismatch(args, engine=None):
             for tr in trainers_of(eng, args.quick):
                 pi = trainer_logprobs(model, tr, idx, device)
                 rows.append({"engine": eng, "trainer": tr, **mismatch_metrics(mu, pi, mask)})
-                if tr == eng and not args.quick:  # every sampled token's (mu, pi), for the scatter figure
-                    tokens[eng] = {"mu": mu[mask.bool()].tolist(), "pi": pi[mask.bool()].tolist()}
         mu_common = prefill(llm, common[0], device)
         for tr in trainers_of(eng, args.quick):
             d = mu_common - pis[tr]
@@ -143,7 +133,7 @@ def mismatch(args, engine=None):
     result = {"experiment": "mismatch", "checkpoint": ckpt, "seed": args.seed, "machine": machine(), "layers": layers,
               "sequences_per_engine": len(prompts) * args.group_size, "tokens_per_engine": int(common[2].sum()),
               "rows": rows, "self_rows": self_rows, "paired_rows": paired, "bf16_over_fp16": ratio,
-              "engine_tokens_per_s": speed, "trainer_fwd_bwd_s": cost, "tokens": tokens}
+              "engine_tokens_per_s": speed, "trainer_fwd_bwd_s": cost}
     print_mismatch(result)
     return result
 
@@ -258,8 +248,6 @@ def scaler(args, engine=None):
 # ---------------------------------------------------------------------------------------------------
 # 3. The gradient-bias audit
 
-PI_BUCKETS = (0.0, 0.01, 0.1, 0.5, 0.9, 1.0)  # the trainer's probability of the sampled token
-
 def audit_losses(logp, pi_logp, mu_logp, adv, mask, n_tokens):
     """On samples from mu: GRPO's J = sum_i A_i sum_t log pi(y_it) / N_tokens and the mismatch's part,
     J_bias = sum_i (1 - w_i) A_i sum_t log pi(y_it) / N_tokens, w_i = prod_t pi / mu (detached): grad J -
@@ -337,10 +325,10 @@ def audit(args, engine=None):
     ckpt, model, device, get_engine = setup(args, engine)
     train_batch = task.make_splits(args.seed, args.n_items, tg.N_EVAL)[1]
     params = list(model.parameters())
-    rows, buckets = [], []
+    rows = []
     for name in DTYPES:
         prec, llm = get_precision(name, device=device), get_engine(name)
-        gs, ds, pis, diffs, k3, dev = [], [], [], [], [], []
+        gs, ds, k3, dev = [], [], [], []
         for k in range(args.batches):  # the same prompts and random numbers for every dtype
             b = tg.rollout(llm, train_batch, args, k, device)
             with torch.no_grad():
@@ -351,21 +339,12 @@ def audit(args, engine=None):
             dev.append((w - 1).abs().mean().item())
             metrics = mismatch_metrics(b.mu_logp, pi, b.mask)
             k3.append((metrics["mismatch_k3"], metrics["mismatch_logp_abs_mean"]))
-            pis.append(pi[b.mask.bool()].exp())
-            diffs.append((b.mu_logp - pi)[b.mask.bool()].double())
         G, D = torch.stack(gs), torch.stack(ds)  # float64 Gram matrices: the pairwise products are small differences
         stats = jackknife(D @ D.T, G @ G.T, D @ G.T)
         rows.append({"dtype": name, "batches": args.batches, **stats, "seq_weight_abs_dev": sum(dev) / len(dev),
                      "mismatch_k3": sum(x for x, _ in k3) / len(k3), "mismatch_logp_abs_mean": sum(y for _, y in k3) / len(k3)})
-        pi_all, d_all = torch.cat(pis), torch.cat(diffs)
-        for lo, hi in zip(PI_BUCKETS[:-1], PI_BUCKETS[1:]):
-            sel = (pi_all >= lo) & ((pi_all < hi) if hi < 1 else True)
-            n = int(sel.sum())
-            buckets.append({"dtype": name, "pi": f"{lo}-{hi}", "tokens": n, "mean_signed": d_all[sel].mean().item() if n else None,
-                            "signed_se": (d_all[sel].std() / math.sqrt(n)).item() if n > 1 else None,
-                            "mean_abs": d_all[sel].abs().mean().item() if n else None})
     result = {"experiment": "audit", "checkpoint": ckpt, "machine": machine(), "max_new_tokens": args.max_new_tokens,
-              "sequences_per_batch": args.batch_size * args.group_size, "rows": rows, "by_pi": buckets}
+              "sequences_per_batch": args.batch_size * args.group_size, "rows": rows}
     print_audit(result)
     return result
 
@@ -384,11 +363,6 @@ def print_audit(result):
               f"{r['bias_over_noise']:>9.1e} {ci(r, 'bias_over_noise'):>19} {fmt(r['cos_bias_grad'], '+.2f'):>9} "
               f"{fmt(r['steps_upper']):>13} {ci(r, 'steps_upper'):>19} {fmt(r['steps_along']):>15} "
               f"{ci(r, 'steps_along'):>19} {r['mismatch_logp_abs_mean']:>15.2e}")
-    print("\nper token, by the trainer's probability pi: tokens, mean (log mu - log pi), its s.e.s, mean |log mu - log pi|")
-    for bucket in dict.fromkeys(b["pi"] for b in result["by_pi"]):
-        print(f"{bucket:9} " + " ".join(f"{c['dtype']} {c['tokens']:>7} {fmt(c['mean_signed'], '+.2e'):>10} "
-                                         f"{fmt(c['mean_signed'] / c['signed_se'] if c['signed_se'] else None, '+.1f'):>5} "
-                                         f"{fmt(c['mean_abs'], '.2e'):>9} |" for c in result["by_pi"] if c["pi"] == bucket))
 
 # ---------------------------------------------------------------------------------------------------
 # 4. Held-out accuracy, read the same way for every run
@@ -424,7 +398,7 @@ def get_args(argv=None):
     p.add_argument("--batch-size", type=tg.bounded(int, 1), default=64, help="scaler, audit: prompts per batch")
     p.add_argument("--batches", type=tg.bounded(int, 5), default=20, help="audit: independent batches (K) per dtype, >= 5")
     p.add_argument("--samples", type=tg.bounded(int, 1), default=8, help="heldout: samples of each held-out problem")
-    p.add_argument("--quick", action="store_true", help="mismatch: fp32, bf16, fp16 only, no costs, no tokens (a trained policy)")
+    p.add_argument("--quick", action="store_true", help="mismatch: fp32, bf16, fp16 only, no costs (a trained policy)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
     args.max_new_tokens, args.dr_grpo = 2 * args.n_items + 8, False
