@@ -4,6 +4,7 @@ at any moment, run the same command again, and it goes on where it stopped.
 
     nohup python experiments/campaign.py > runs/campaign.log 2>&1 &   # the plan, in priority order
     python experiments/campaign.py --list                              # what is done, what is left
+    python experiments/campaign.py --plan extend --seeds 5 6 7         # more seeds for arm 1's borderline cells
 
 A run is `train_grpo.py --seed S` with its arm's and variant's flags, in runs/campaign/ARM-VARIANT-sS
 (--seed picks the warm start too: one per seed, cached); a run left half done is resumed. A finished
@@ -41,6 +42,7 @@ PLANS = {  # arms in priority order, each with its variants
     "campaign": [("gspo-engine", ["fp16", "bf16", "fp32", "bf16-head32", "bf16-engine32", "bf16-aligned"]),
                  ("drgrpo-mb4", ["fp16", "bf16", "fp32", "bf16-aligned"]), ("grpo", ["fp16", "bf16", "fp32", "bf16-aligned"]),
                  ("gspo", ["fp16", "bf16"]), ("seq-mis-engine", ["fp16", "bf16"]), ("pg-seq-is", ["fp16", "bf16"])],
+    "extend": [("gspo-engine", ["fp16", "bf16", "fp32", "bf16-aligned"])],  # arm 1's borderline cells, --seeds 5 6 7
     "smoke": [("grpo", ["fp32"])],  # the tests' plan: one run per seed
 }
 

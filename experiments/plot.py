@@ -100,12 +100,19 @@ def decompose(rows):
         r["mismatch_within"] = float((share(r) * (size(r) - size(rows[0]))).sum())
 
 def growth(rows, probe):
-    """Per run: the last 10 steps over step 0 (a ratio), the rise's two parts (decompose), and the final policy's
-    mismatch on identical tokens in bf16 and fp16 (its probe), with its layer errors."""
+    """Per run: the last 10 steps over step 0 (a ratio), the rise's two parts (decompose) over step 0's mismatch, so that
+    growth - 1 = within + shift in every format, and the final policy's mismatch on identical tokens in bf16 and fp16
+    (its probe), with its layer errors."""
     last = lambda k: float(np.mean([r[k] for r in rows[-10:]]))  # noqa: E731
     ratio = lambda k: last(k) / rows[0][k] if rows[0][k] else None  # noqa: E731
-    return {"mismatch_growth": ratio("mismatch_logp_abs_mean"), "within": last("mismatch_within"), "shift": last("mismatch_shift"),
-            "length_growth": ratio("response_len_mean"),
+    m0 = rows[0]["mismatch_logp_abs_mean"]
+    part = lambda k: last(k) / m0 if m0 else None  # noqa: E731
+    for r in rows:  # the sampled tokens the trainer finds unlikely (pi < 0.5, the first two buckets) and their part of the mean
+        r["low_pi_frac"] = sum(r["pi_bucket_frac"][:2])
+        low = sum(f * (x or 0) for f, x in zip(r["pi_bucket_frac"][:2], r["pi_bucket_logp_abs_mean"][:2]))
+        r["low_pi_share"] = low / r["mismatch_logp_abs_mean"] if r["mismatch_logp_abs_mean"] else 0.0
+    return {"mismatch_growth": ratio("mismatch_logp_abs_mean"), "within": part("mismatch_within"), "shift": part("mismatch_shift"),
+            "length_growth": ratio("response_len_mean"), "low_pi_frac_growth": ratio("low_pi_frac"), "low_pi_share": last("low_pi_share") if m0 else None,
             "entropy_growth": ratio("entropy_mean"), "logit_rms_growth": ratio("logit_rms"),
             **probed(probe)}
 
@@ -114,8 +121,12 @@ def probed(probe):  # a policy's matched bf16 and fp16 mismatch on identical tok
     return {"probe_bf16": pairs.get("bf16"), "probe_fp16": pairs.get("fp16"), "layers": probe and probe["layers"]}
 
 SUMMARY = (("reward_last10", "last-10 reward", ".4f"), ("heldout", "held-out (fp32 engine)", ".4f"))
-GROWTH = (("mismatch_growth", "per-token mismatch, last 10 steps over step 0", ".2f"), ("within", "its rise within buckets of pi", ".2e"),
-          ("shift", "its rise from tokens changing bucket", ".2e"), ("length_growth", "response length, last 10 over step 0", ".2f"),
+GROWTH = (("mismatch_growth", "per-token mismatch, last 10 steps over step 0", ".2f"),
+          ("within", "its rise within buckets of pi, over step 0's mismatch", ".2f"),
+          ("shift", "its rise from tokens changing bucket, the same (growth - 1 = within + shift)", ".2f"),
+          ("length_growth", "response length, last 10 over step 0", ".2f"),
+          ("low_pi_frac_growth", "sampled tokens with pi < 0.5, their share of all tokens, last 10 over step 0", ".2f"),
+          ("low_pi_share", "their part of the mean mismatch, last 10 steps", ".2f"),
           ("entropy_growth", "entropy of the sampled tokens, the same", ".2f"), ("logit_rms_growth", "RMS of the logits, the same", ".2f"),
           ("probe_bf16", "the final policy's bf16 mismatch on identical tokens (its probe)", ".3e"), ("probe_fp16", "the same in fp16", ".3e"))
 GROWTH_PANELS = [("mismatch_logp_abs_mean", "mean |log mu - log pi|"), ("mismatch_within", "its rise within buckets of pi"),
@@ -175,11 +186,32 @@ def experiment(args):
     fig.suptitle(f"Mean over seeds (line) and its standard error (shade); {where}", fontsize=9)
     print_table(out, summary)
     if args.figure == "growth":
+        print_cross(out)
         print_layers(out)
     save(fig, args.out, out)
 
 def pick(cell, key, seed):
     return cell.get(key, [None] * cell["n"])[cell["seeds"].index(seed)]
+
+def print_cross(out):
+    """The 2 x 2 cross-probe per seed (#24): the bf16- and fp16-trained policies (and the warm start), each probed in bf16
+    and in fp16; then, paired by seed, how much further the bf16-trained policy is from the fp16-trained one in bf16 than
+    in fp16 (a log ratio: > 0 if training in bf16 drove the policy to where bf16 rounds worse, 0 if the format only sets
+    the scale)."""
+    for arm, cells in out["arms"].items():
+        pols = [cells.get(v) for v in ("warm start", "bf16", "fp16")]
+        seeds = sorted(set.intersection(*(set(c["seeds"]) for c in pols))) if all(pols) else []
+        if not seeds:
+            continue
+        print(f"\n{arm}, cross-probe on identical tokens per seed: bf16 / fp16 mismatch of each policy\n\n"
+              "| seed | warm start | bf16-trained | fp16-trained |\n|---|---|---|---|")
+        for s in seeds:
+            print(f"| {s} | " + " | ".join(f"{pick(c, 'probe_bf16', s):.3e} / {pick(c, 'probe_fp16', s):.3e}" for c in pols) + " |")
+        log_ratio = lambda k: [math.log(pick(pols[1], k, s) / pick(pols[2], k, s)) for s in seeds]  # noqa: E731
+        d = cells["bf16"]["cross_excess"] = paired(log_ratio("probe_bf16"), log_ratio("probe_fp16"))
+        if d["se"]:  # two seeds or more
+            print(f"\nlog(bf16-trained / fp16-trained) in bf16 minus the same in fp16: {d['mean']:+.3f} "
+                  f"[{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}] p={d['p_sign_flip']:.3f} (n={d['n']})")
 
 def print_layers(out):
     """Where the error enters, mean over the seeds' final policies: RMS(mode - fp32) / RMS(fp32) per block, norm, logits."""

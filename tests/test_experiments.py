@@ -183,3 +183,27 @@ def test_growth_decomposition_by_hand():
     m = [sum(f * (s or 0) for f, s in zip(r["pi_bucket_frac"], r["pi_bucket_logp_abs_mean"])) for r in rows]
     assert rows[1]["mismatch_shift"] + rows[1]["mismatch_within"] == pytest.approx(m[1] - m[0])
     assert rows[0]["mismatch_shift"] == rows[0]["mismatch_within"] == 0
+    for r, mt in zip(rows, m):  # growth's parts are over step 0's mismatch: growth - 1 = within + shift
+        r.update(mismatch_logp_abs_mean=mt, response_len_mean=24, entropy_mean=0.5, logit_rms=3.0)
+    g = plot.growth(rows, None)
+    assert g["mismatch_growth"] == pytest.approx((m[0] + m[1]) / 2 / m[0])  # the last 10 of two rows: both
+    assert g["within"] + g["shift"] == pytest.approx(g["mismatch_growth"] - 1)
+    assert g["shift"] == pytest.approx(-0.25 * 1e-4 / 2 / 1e-4)
+
+
+def test_growth_low_pi_tokens_by_hand():
+    """The sampled tokens with pi < 0.5 (the first two buckets): their share of the tokens, last 10 over step 0, and
+    their part of the mean mismatch; none for a run with no mismatch (the aligned trainer)."""
+    row = lambda frac, size: {"pi_bucket_frac": frac, "pi_bucket_logp_abs_mean": size, "response_len_mean": 24,  # noqa: E731
+                              "entropy_mean": 0.5, "logit_rms": 3.0,
+                              "mismatch_logp_abs_mean": sum(f * (s or 0) for f, s in zip(frac, size))}
+    rows = [row([0.01, 0.0, 0.09, 0.4, 0.5], [1e-2, None, 1e-3, 1e-4, 1e-6]),
+            row([0.02, 0.02, 0.06, 0.4, 0.5], [2e-2, 1e-2, 1e-3, 1e-4, 1e-6])]
+    plot.decompose(rows)
+    g = plot.growth(rows, None)
+    assert g["low_pi_frac_growth"] == pytest.approx((0.01 + 0.04) / 2 / 0.01)
+    m1 = 0.02 * 2e-2 + 0.02 * 1e-2 + 0.06 * 1e-3 + 0.4 * 1e-4 + 0.5 * 1e-6
+    assert g["low_pi_share"] == pytest.approx((1e-4 / rows[0]["mismatch_logp_abs_mean"] + 6e-4 / m1) / 2)
+    zero = [row([0.01, 0.0, 0.09, 0.4, 0.5], [0.0, None, 0.0, 0.0, 0.0])] * 2
+    plot.decompose(zero)
+    assert plot.growth(zero, None)["low_pi_share"] is None
