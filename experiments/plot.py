@@ -201,6 +201,7 @@ def print_cross(out):
     for arm, cells in out["arms"].items():
         pols = [cells.get(v) for v in ("warm start", "bf16", "fp16")]
         seeds = sorted(set.intersection(*(set(c["seeds"]) for c in pols))) if all(pols) else []
+        seeds = [s for s in seeds if None not in (pick(c, k, s) for c in pols for k in ("probe_bf16", "probe_fp16"))]  # probed arms
         if not seeds:
             continue
         print(f"\n{arm}, cross-probe on identical tokens per seed: bf16 / fp16 mismatch of each policy\n\n"
