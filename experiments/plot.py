@@ -24,7 +24,7 @@ matplotlib.use("Agg")  # write files, never open a window
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from precision import machine_line  # noqa: E402
+from precision import PI_EDGES, machine_line  # noqa: E402
 from train_grpo import read_metrics, write_atomic  # noqa: E402
 from experiments.probe import fmt, t_quantile  # noqa: E402
 
@@ -33,6 +33,7 @@ COLORS = {"fp16": "tab:blue", "bf16": "tab:red", "fp32": "0.35", "bf16-head32": 
 PANELS = [("reward_mean", "training reward"), ("eval_accuracy", "held-out accuracy"),
           ("mismatch_logp_abs_mean", "mean |log mu - log pi|"), ("clip_frac_neg", "clipped tokens, A < 0"),
           ("clip_frac_pos", "clipped tokens, A > 0")]
+LOW_PI = PI_EDGES.index(0.9)  # the buckets below pi = 0.9: the sampled tokens the trainer is least sure of
 FIXES = [  # variant, the probe's matched (engine, trainer) row, what adopting it changes in the code
     ("bf16", ("bf16", "bf16"), "the baseline"),
     ("fp16", ("fp16", "fp16"), "a flag, --dtype fp16 (the GradScaler, a pass-through elsewhere, turns on)"),
@@ -92,12 +93,16 @@ def load(path):
 
 def decompose(rows):
     """Shift-share of the per-token mismatch's change since step 0 over the buckets of pi (precision.PI_EDGES), exact:
-    m_t - m_0 = sum_b (f_bt - f_b0) s_b0 (tokens changing bucket: "shift") + sum_b f_bt (s_bt - s_b0) (within a bucket)."""
+    m_t - m_0 = sum_b (f_bt - f_b0) s_b0 (tokens changing bucket: "shift") + sum_b f_bt (s_bt - s_b0) (within a bucket);
+    and per step the sampled tokens the trainer is least sure of (pi < 0.9): their share of the tokens, their part of m_t."""
     share = lambda r: np.array(r["pi_bucket_frac"])  # noqa: E731
     size = lambda r: np.nan_to_num(np.array(r["pi_bucket_logp_abs_mean"], dtype=float))  # an empty bucket: 0 x 0  # noqa: E731
     for r in rows:
         r["mismatch_shift"] = float(((share(r) - share(rows[0])) * size(rows[0])).sum())
         r["mismatch_within"] = float((share(r) * (size(r) - size(rows[0]))).sum())
+        r["low_pi_frac"] = float(share(r)[:LOW_PI].sum())
+        low = float((share(r) * size(r))[:LOW_PI].sum())
+        r["low_pi_share"] = low / r["mismatch_logp_abs_mean"] if r["mismatch_logp_abs_mean"] else 0.0
 
 def growth(rows, probe):
     """Per run: the last 10 steps over step 0 (a ratio), the rise's two parts (decompose) over step 0's mismatch, so that
@@ -107,10 +112,6 @@ def growth(rows, probe):
     ratio = lambda k: last(k) / rows[0][k] if rows[0][k] else None  # noqa: E731
     m0 = rows[0]["mismatch_logp_abs_mean"]
     part = lambda k: last(k) / m0 if m0 else None  # noqa: E731
-    for r in rows:  # the sampled tokens the trainer finds unlikely (pi < 0.5, the first two buckets) and their part of the mean
-        r["low_pi_frac"] = sum(r["pi_bucket_frac"][:2])
-        low = sum(f * (x or 0) for f, x in zip(r["pi_bucket_frac"][:2], r["pi_bucket_logp_abs_mean"][:2]))
-        r["low_pi_share"] = low / r["mismatch_logp_abs_mean"] if r["mismatch_logp_abs_mean"] else 0.0
     return {"mismatch_growth": ratio("mismatch_logp_abs_mean"), "within": part("mismatch_within"), "shift": part("mismatch_shift"),
             "length_growth": ratio("response_len_mean"), "low_pi_frac_growth": ratio("low_pi_frac"), "low_pi_share": last("low_pi_share") if m0 else None,
             "entropy_growth": ratio("entropy_mean"), "logit_rms_growth": ratio("logit_rms"),
@@ -125,7 +126,7 @@ GROWTH = (("mismatch_growth", "per-token mismatch, last 10 steps over step 0", "
           ("within", "its rise within buckets of pi, over step 0's mismatch", ".2f"),
           ("shift", "its rise from tokens changing bucket, the same (growth - 1 = within + shift)", ".2f"),
           ("length_growth", "response length, last 10 over step 0", ".2f"),
-          ("low_pi_frac_growth", "sampled tokens with pi < 0.5, their share of all tokens, last 10 over step 0", ".2f"),
+          ("low_pi_frac_growth", "sampled tokens with pi < 0.9, their share of all tokens, last 10 over step 0", ".2f"),
           ("low_pi_share", "their part of the mean mismatch, last 10 steps", ".2f"),
           ("entropy_growth", "entropy of the sampled tokens, the same", ".2f"), ("logit_rms_growth", "RMS of the logits, the same", ".2f"),
           ("probe_bf16", "the final policy's bf16 mismatch on identical tokens (its probe)", ".3e"), ("probe_fp16", "the same in fp16", ".3e"))

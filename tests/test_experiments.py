@@ -177,22 +177,22 @@ def test_growth_decomposition_by_hand():
     """m_t - m_0 = sum (f_t - f_0) s_0 + sum f_t (s_t - s_0), on two buckets, one empty at step 0."""
     rows = [{"pi_bucket_frac": [0.0, 1.0], "pi_bucket_logp_abs_mean": [None, 1e-4]},
             {"pi_bucket_frac": [0.25, 0.75], "pi_bucket_logp_abs_mean": [1e-3, 2e-4]}]
+    m = [sum(f * (s or 0) for f, s in zip(r["pi_bucket_frac"], r["pi_bucket_logp_abs_mean"])) for r in rows]
+    for r, mt in zip(rows, m):  # what each metrics row holds beside its buckets
+        r.update(mismatch_logp_abs_mean=mt, response_len_mean=24, entropy_mean=0.5, logit_rms=3.0)
     plot.decompose(rows)
     assert rows[1]["mismatch_shift"] == pytest.approx(-0.25 * 1e-4)
     assert rows[1]["mismatch_within"] == pytest.approx(0.25 * 1e-3 + 0.75 * 1e-4)
-    m = [sum(f * (s or 0) for f, s in zip(r["pi_bucket_frac"], r["pi_bucket_logp_abs_mean"])) for r in rows]
     assert rows[1]["mismatch_shift"] + rows[1]["mismatch_within"] == pytest.approx(m[1] - m[0])
     assert rows[0]["mismatch_shift"] == rows[0]["mismatch_within"] == 0
-    for r, mt in zip(rows, m):  # growth's parts are over step 0's mismatch: growth - 1 = within + shift
-        r.update(mismatch_logp_abs_mean=mt, response_len_mean=24, entropy_mean=0.5, logit_rms=3.0)
-    g = plot.growth(rows, None)
+    g = plot.growth(rows, None)  # growth's parts are over step 0's mismatch: growth - 1 = within + shift
     assert g["mismatch_growth"] == pytest.approx((m[0] + m[1]) / 2 / m[0])  # the last 10 of two rows: both
     assert g["within"] + g["shift"] == pytest.approx(g["mismatch_growth"] - 1)
     assert g["shift"] == pytest.approx(-0.25 * 1e-4 / 2 / 1e-4)
 
 
 def test_growth_low_pi_tokens_by_hand():
-    """The sampled tokens with pi < 0.5 (the first two buckets): their share of the tokens, last 10 over step 0, and
+    """The sampled tokens with pi < 0.9 (the first two buckets): their share of the tokens, last 10 over step 0, and
     their part of the mean mismatch; none for a run with no mismatch (the aligned trainer)."""
     row = lambda frac, size: {"pi_bucket_frac": frac, "pi_bucket_logp_abs_mean": size, "response_len_mean": 24,  # noqa: E731
                               "entropy_mean": 0.5, "logit_rms": 3.0,
