@@ -5,13 +5,15 @@ at any moment, run the same command again, and it goes on where it stopped.
     nohup python experiments/campaign.py > runs/campaign.log 2>&1 &   # the plan, in priority order
     python experiments/campaign.py --list                              # what is done, what is left
     python experiments/campaign.py --plan extend --seeds 5 6 7         # more seeds for arm 1's borderline cells
+    python experiments/campaign.py --plan midrun --stop-after 8        # #24: arm 1's policies after 8 of 40 steps
 
 A run is `train_grpo.py --seed S` with its arm's and variant's flags, in runs/campaign/ARM-VARIANT-sS
 (--seed picks the warm start too: one per seed, cached); a run left half done is resumed. A finished
 run's policy is read by one fp32 engine (probe.py heldout; in PROBED arms also by probe.py mismatch
 --quick, and each seed's warm start once), then its small files go to results/<machine>/: committed,
 skipped next time, what plot.py draws from. <machine> is the CPU model and the ISA features vLLM's
-kernels read: runs are paired only within one machine's folder.
+kernels read: runs are paired only within one machine's folder. --stop-after N ends every run after its N-th
+update (of its own schedule: its rows equal the whole run's) and reads that policy; results/<machine>/stepN/ keeps them.
 """
 import argparse
 import json
@@ -43,6 +45,7 @@ PLANS = {  # arms in priority order, each with its variants
                  ("drgrpo-mb4", ["fp16", "bf16", "fp32", "bf16-aligned"]), ("grpo", ["fp16", "bf16", "fp32", "bf16-aligned"]),
                  ("gspo", ["fp16", "bf16"]), ("seq-mis-engine", ["fp16", "bf16"]), ("pg-seq-is", ["fp16", "bf16"])],
     "extend": [("gspo-engine", ["fp16", "bf16", "fp32", "bf16-aligned"])],  # arm 1's borderline cells, --seeds 5 6 7
+    "midrun": [("gspo-engine", ["fp16", "bf16"])],  # #24's cross-probe at the mismatch's peak, with --stop-after
     "smoke": [("grpo", ["fp32"])],  # the tests' plan: one run per seed
 }
 
@@ -62,11 +65,12 @@ def plan_runs(args):
     return [(f"{arm}-{v}-s{seed}", ["--seed", str(seed), *ARMS[arm], *VARIANTS[v]])
             for arm, variants in PLANS[args.plan] for seed in args.seeds for v in variants]
 
-def finished(folder):  # its metrics reach args.json's step count and its readings are in
+def finished(folder, readings_too=True):  # its metrics reach its last step (args.json's) and its readings are in
     try:
-        steps = json.load(open(os.path.join(folder, "args.json")))["steps"]
+        args = json.load(open(os.path.join(folder, "args.json")))
         rows = sum(1 for _ in open(os.path.join(folder, "metrics.jsonl")))
-        return rows >= steps and all(os.path.isfile(os.path.join(folder, f)) for f in readings(os.path.basename(folder)))
+        files = readings(os.path.basename(folder)) if readings_too else ("hf/config.json",)
+        return rows >= (args.get("stop_after") or args["steps"]) and all(os.path.isfile(os.path.join(folder, f)) for f in files)
     except (OSError, ValueError, KeyError):
         return False
 
@@ -81,9 +85,12 @@ def run_one(name, flags, args, results):
     if not resume and os.path.isdir(out):
         shutil.rmtree(out)  # killed before its first checkpoint: nothing to keep
     train = [sys.executable, "train_grpo.py", *flags, *args.extra, "--out", out, *resume]
+    if args.stop_after:  # the same run, ended after its N-th update by train_until
+        train[1:2] = ["experiments/campaign.py", "--train-until", str(args.stop_after), "--"]
     heldout = [sys.executable, "experiments/probe.py", "heldout", "--init", os.path.join(out, "hf"),
                "--seed", flags[1], "--samples", str(args.samples), "--json", os.path.join(out, "heldout.json")]
-    steps = [train, heldout]
+    stopped = args.stop_after and finished(out, readings_too=False)  # a resume would go on past step N: read it
+    steps = ([] if stopped else [train]) + [heldout]
     if probed(name):  # the policy's mismatch on identical tokens in bf16 and fp16 and per layer; the warm start's once
         probe = [sys.executable, "experiments/probe.py", "mismatch", "--quick", "--group-size", "4", "--seed", flags[1]]
         warm = os.path.join(results, f"warmstart-s{flags[1]}", "probe.json")
@@ -101,6 +108,22 @@ def run_one(name, flags, args, results):
     os.replace(keep + ".tmp", keep)  # the results folder holds whole runs only
     return True
 
+def train_until(n, argv):
+    """train_grpo.py's run, ended after its n-th update, its schedule that of all --steps: step 5 (log) of step n - 1,
+    then that policy to hf/ as the run's end writes it, and n as args.json's stop_after."""
+    import train_grpo as tg
+    args, log = tg.get_args(argv), tg.log_step  # get_args wrote args.json: add n to it
+    record = os.path.join(args.out, "args.json")
+    tg.write_atomic(record, json.dumps({**json.load(open(record)), "stop_after": min(n, args.steps)}, indent=2))
+
+    def log_then_stop(out, step, rec, model, *rest):
+        log(out, step, rec, model, *rest)
+        if step + 1 == n:
+            tg.save_hf(model, os.path.join(out, "hf"))
+            sys.exit(0)
+    tg.log_step = log_then_stop
+    tg.train(args)
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="every RL run of a plan, once, resumable")
     p.error = lambda message: p.exit(2, f"error: {message}\n")  # one line, exit 2
@@ -110,12 +133,17 @@ def main(argv=None):
     p.add_argument("--runs", default=os.path.join("runs", "campaign"), help="where the runs work")
     p.add_argument("--results", default="results", help="where finished runs' small files go, per machine")
     p.add_argument("--list", action="store_true", help="print the plan and what is done, run nothing")
+    p.add_argument("--stop-after", type=int, default=None, help="end every run after its N-th update (of --steps' schedule)")
+    p.add_argument("--train-until", type=int, default=None, help=argparse.SUPPRESS)  # run_one's, with --stop-after
     p.add_argument("extra", nargs="*", help="after --: more train_grpo.py flags for every run (the tests' small runs)")
     args = p.parse_args(argv)
-    if args.samples < 1:
-        p.error(f"--samples must be >= 1, got {args.samples}")
+    if args.samples < 1 or (args.stop_after or 1) < 1:
+        p.error(f"--samples and --stop-after must be >= 1, got {args.samples} and {args.stop_after}")
+    if args.train_until:
+        return train_until(args.train_until, args.extra)
     os.chdir(ROOT)
-    results = os.path.join(args.results, machine_group(machine()))
+    stopped = [f"step{args.stop_after}"] if args.stop_after else []  # mid-run policies: a folder of their own
+    results, args.runs = os.path.join(args.results, machine_group(machine()), *stopped), os.path.join(args.runs, *stopped)
     runs = plan_runs(args)
     todo = [(n, f) for n, f in runs if not finished(os.path.join(results, n))]
     print(f"plan {args.plan}: {len(runs)} runs, {len(runs) - len(todo)} done in {results}", flush=True)

@@ -72,8 +72,8 @@ def load_experiment(folder):
         if not os.path.isfile(os.path.join(path, "args.json")):
             continue
         args, rows = json.load(open(os.path.join(path, "args.json"))), read_metrics(os.path.join(path, "metrics.jsonl"))
-        if len(rows) < args["steps"]:
-            continue  # unfinished
+        if len(rows) < (args.get("stop_after") or args["steps"]):
+            continue  # unfinished (campaign.py --stop-after N: a run ended after its N-th update)
         heldout = os.path.join(path, "heldout.json")
         acc = json.load(open(heldout))["accuracy"] if os.path.isfile(heldout) else None
         probe = os.path.join(path, "probe.json")  # campaign.PROBED arms: the policy read by probe.py mismatch --quick

@@ -4,7 +4,6 @@ DIR, e.g. a finished run's hf/), the real engine in each dtype, the trainer besi
 
     python experiments/probe.py mismatch --json runs/probe.json  # the paper's offline test, every fix's rows and cost
     python experiments/probe.py scaler   --json runs/scaler.json # why an fp16 trainer needs the GradScaler
-    python experiments/probe.py audit    --json runs/audit.json  # the mismatch's bias on GRPO's gradient against its noise
     python experiments/probe.py heldout  --init DIR --json F     # a policy's held-out accuracy, read by one fp32 engine
 Every result records the machine: the 16-bit numbers are the chip's."""
 import argparse
@@ -246,15 +245,7 @@ def scaler(args, engine=None):
     return result
 
 # ---------------------------------------------------------------------------------------------------
-# 3. The gradient-bias audit
-
-def audit_losses(logp, pi_logp, mu_logp, adv, mask, n_tokens):
-    """On samples from mu: GRPO's J = sum_i A_i sum_t log pi(y_it) / N_tokens and the mismatch's part,
-    J_bias = sum_i (1 - w_i) A_i sum_t log pi(y_it) / N_tokens, w_i = prod_t pi / mu (detached): grad J -
-    grad J_bias is unbiased for pi, so d = grad J_bias is the bias. Returns (J, J_bias, w)."""
-    w = torch.exp(((pi_logp - mu_logp) * mask).sum(1)).detach()
-    per_seq = (logp * mask).sum(1)
-    return (adv * per_seq).sum() / n_tokens, ((1 - w) * adv * per_seq).sum() / n_tokens, w
+# 3. Held-out accuracy, read the same way for every run, and the statistics plot.py shares
 
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)  # Student's t, dof 1 to 10
 
@@ -262,110 +253,8 @@ def t_quantile(dof, z=1.959964):
     """Student's t 0.975 quantile: the table to 10 degrees of freedom, then Cornish-Fisher (within 0.003)."""
     return T975[dof - 1] if dof <= 10 else z + (z ** 3 + z) / (4 * dof) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * dof ** 2)
 
-def bias_statistics(G_dd, G_gg, G_dg):
-    """From the K x K Gram matrices of the per-batch bias vectors d_k and gradients g_k (G_dg[j, k] =
-    d_j . g_k), each statistic as an unbiased pairwise estimate over distinct batches (so no batch's
-    noise is counted against itself):
-      b2        |E d|^2 = mean over j != k of d_j . d_k    (may come out < 0: then |b| is not resolved)
-      eg2       |E g|^2, the same for g
-      sigma2    tr Cov g, one step's noise in all directions
-      b_dot_eg  E d . E g = mean over j != k of d_j . g_k  (d and g of one batch share its noise)
-      noise_along_b  Var_k(g_k . b_hat_k), b_hat_k the direction of the other batches' summed d: the
-                     noise along the bias, each batch against a direction it did not help estimate."""
-    K = G_dd.shape[0]
-    off = ~torch.eye(K, dtype=torch.bool)
-    pair = lambda G: G[off].mean().item()  # noqa: E731
-    sigma2 = (G_gg.trace() - G_gg.sum() / K).item() / (K - 1)
-    along = []
-    for k in range(K):
-        others = torch.arange(K) != k
-        along.append((G_dg[others, k].sum() / G_dd[others][:, others].sum().sqrt()).item())
-    return {"b2": pair(G_dd), "eg2": pair(G_gg), "sigma2": sigma2, "b_dot_eg": pair(G_dg),
-            "noise_along_b": float(np.var(along, ddof=1))}
-
-def derived(s):
-    """|b|, |b| / sigma, cos(b, E g), and the steps after which a bias that kept its direction would
-    match the summed noise: (sigma / |b|)^2 against all ~0.9M directions' noise (an upper bound),
-    noise_along_b / |b|^2 against the noise along the bias alone."""
-    b = math.sqrt(s["b2"]) if s["b2"] > 0 else 0.0
-    return {"bias_norm": b, "bias_over_noise": b / math.sqrt(s["sigma2"]), "grad_mean_norm": math.sqrt(max(s["eg2"], 0)),
-            "cos_bias_grad": s["b_dot_eg"] / (b * math.sqrt(s["eg2"])) if b and s["eg2"] > 0 else None,
-            "steps_upper": s["sigma2"] / s["b2"] if s["b2"] > 0 else None,
-            "steps_along": s["noise_along_b"] / s["b2"] if s["b2"] > 0 else None}
-
-def jackknife(G_dd, G_gg, G_dg):
-    """Every statistic and figure with its own 95 % jackknife interval: the figure itself recomputed
-    with each batch left out, t quantile with K - 1 dof; none where a leave-one-out leaves it undefined
-    (|b|^2 <= 0). A bias is resolved when the interval of |b|^2 excludes 0."""
-    K = G_dd.shape[0]
-
-    def figures(keep):
-        s = bias_statistics(*(G[keep][:, keep] for G in (G_dd, G_gg, G_dg)))
-        return {**s, **derived(s)}
-    full = figures(torch.ones(K, dtype=torch.bool))
-    leave = [figures(torch.arange(K) != i) for i in range(K)]
-    out = dict(full)
-    for k, v in full.items():
-        values = [s[k] for s in leave]
-        if v is None or None in values:
-            continue
-        values = np.array(values)
-        se = math.sqrt((K - 1) / K * ((values - values.mean()) ** 2).sum())
-        out[k + "_ci"] = (v - t_quantile(K - 1) * se, v + t_quantile(K - 1) * se)
-    out["resolved"] = out["b2_ci"][0] > 0
-    return out
-
-def audit(args, engine=None):
-    """For each dtype (engine and trainer in it), --batches independent batches of the engine's samples
-    (the RL run's first --batches rollouts, at fixed weights): g (GRPO's gradient) and d (its bias,
-    audit_losses) per batch, through the float32 forward at the same weights, so d holds the mismatch
-    alone (where the samples came from, and how pi weighs them), not the 16-bit backward's rounding
-    (`scaler` measures that). The K vectors of each kind are kept; their Gram matrices give every figure
-    and its interval (bias_statistics, jackknife)."""
-    ckpt, model, device, get_engine = setup(args, engine)
-    train_batch = task.make_splits(args.seed, args.n_items, tg.N_EVAL)[1]
-    params = list(model.parameters())
-    rows = []
-    for name in DTYPES:
-        prec, llm = get_precision(name, device=device), get_engine(name)
-        gs, ds, k3, dev = [], [], [], []
-        for k in range(args.batches):  # the same prompts and random numbers for every dtype
-            b = tg.rollout(llm, train_batch, args, k, device)
-            with torch.no_grad():
-                pi = token_logprobs(prec.forward(model), b.idx)  # the trainer's pi, in the run's dtype
-            J, J_bias, w = audit_losses(token_logprobs(model, b.idx), pi, b.mu_logp, b.adv, b.mask, b.mask.sum())
-            gs.append(torch.cat([x.flatten() for x in torch.autograd.grad(J, params, retain_graph=True)]).double())
-            ds.append(torch.cat([x.flatten() for x in torch.autograd.grad(J_bias, params)]).double())
-            dev.append((w - 1).abs().mean().item())
-            metrics = mismatch_metrics(b.mu_logp, pi, b.mask)
-            k3.append((metrics["mismatch_k3"], metrics["mismatch_logp_abs_mean"]))
-        G, D = torch.stack(gs), torch.stack(ds)  # float64 Gram matrices: the pairwise products are small differences
-        stats = jackknife(D @ D.T, G @ G.T, D @ G.T)
-        rows.append({"dtype": name, "batches": args.batches, **stats, "seq_weight_abs_dev": sum(dev) / len(dev),
-                     "mismatch_k3": sum(x for x, _ in k3) / len(k3), "mismatch_logp_abs_mean": sum(y for _, y in k3) / len(k3)})
-    result = {"experiment": "audit", "checkpoint": ckpt, "machine": machine(), "max_new_tokens": args.max_new_tokens,
-              "sequences_per_batch": args.batch_size * args.group_size, "rows": rows}
-    print_audit(result)
-    return result
-
 def fmt(x, spec=".1e"):
     return "-" if x is None else format(x, spec)
-
-def print_audit(result):
-    print(f"\ngradient-bias audit on {result['checkpoint']}: {result['rows'][0]['batches']} batches x "
-          f"{result['sequences_per_batch']} sequences per dtype\n{machine_line(result['machine'])}\n95 % jackknife "
-          f"intervals over batches, each figure's own; a bias is resolved when the interval of |b|^2 excludes 0\n")
-    ci = lambda r, k: f"[{fmt(r[k + '_ci'][0])}, {fmt(r[k + '_ci'][1])}]" if k + "_ci" in r else "-"  # noqa: E731
-    print(f"{'dtype':5} {'|b|':>7} {'[95% CI]':>19} {'sigma':>6} {'|b|/sigma':>9} {'[95% CI]':>19} {'cos(b,Eg)':>9} "
-          f"{'steps (upper)':>13} {'[95% CI]':>19} {'steps (along b)':>15} {'[95% CI]':>19} {'|log mu-log pi|':>15}")
-    for r in result["rows"]:
-        print(f"{r['dtype']:5} {r['bias_norm']:>7.1e} {ci(r, 'bias_norm'):>19} {math.sqrt(r['sigma2']):>6.3f} "
-              f"{r['bias_over_noise']:>9.1e} {ci(r, 'bias_over_noise'):>19} {fmt(r['cos_bias_grad'], '+.2f'):>9} "
-              f"{fmt(r['steps_upper']):>13} {ci(r, 'steps_upper'):>19} {fmt(r['steps_along']):>15} "
-              f"{ci(r, 'steps_along'):>19} {r['mismatch_logp_abs_mean']:>15.2e}")
-
-# ---------------------------------------------------------------------------------------------------
-# 4. Held-out accuracy, read the same way for every run
 
 def heldout(args, engine=None):
     """A policy's held-out accuracy read by one fp32 engine whatever dtype trained it (each run's own
@@ -386,17 +275,16 @@ def heldout(args, engine=None):
 # ---------------------------------------------------------------------------------------------------
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description="the offline experiments: mismatch, scaler, audit, heldout",
+    p = argparse.ArgumentParser(description="the offline experiments: mismatch, scaler, heldout",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.error = lambda message: p.exit(2, f"error: {message}\n")  # one line, exit 2
-    p.add_argument("experiment", choices=["mismatch", "scaler", "audit", "heldout"], help="which experiment (the docstring)")
+    p.add_argument("experiment", choices=["mismatch", "scaler", "heldout"], help="which experiment (the docstring)")
     p.add_argument("--init", default=None, help="the weights: a checkpoint folder (default: the warm start)")
     p.add_argument("--seed", type=int, default=0, help="the task's splits and warm start, and the engine's sampling")
-    p.add_argument("--rl-seed", type=int, default=0, help="scaler, audit: the batches' prompts and sampling")
+    p.add_argument("--rl-seed", type=int, default=0, help="scaler: its batch's prompts and sampling")
     p.add_argument("--n-items", type=tg.bounded(int, 1), default=12, help="digits to sort: the response is 2*n tokens")
     p.add_argument("--group-size", type=tg.bounded(int, 2), default=8, help="samples per prompt")
-    p.add_argument("--batch-size", type=tg.bounded(int, 1), default=64, help="scaler, audit: prompts per batch")
-    p.add_argument("--batches", type=tg.bounded(int, 5), default=20, help="audit: independent batches (K) per dtype, >= 5")
+    p.add_argument("--batch-size", type=tg.bounded(int, 1), default=64, help="scaler: prompts in its batch")
     p.add_argument("--samples", type=tg.bounded(int, 1), default=8, help="heldout: samples of each held-out problem")
     p.add_argument("--quick", action="store_true", help="mismatch: fp32, bf16, fp16 only, no costs (a trained policy)")
     p.add_argument("--json", default=None, help="also write the results to this file")
@@ -412,7 +300,7 @@ def get_args(argv=None):
 
 def main(argv=None, engine=None):
     args = get_args(argv)
-    result = {"mismatch": mismatch, "scaler": scaler, "audit": audit, "heldout": heldout}[args.experiment](args, engine)
+    result = {"mismatch": mismatch, "scaler": scaler, "heldout": heldout}[args.experiment](args, engine)
     if args.json:
         tg.write_atomic(args.json, json.dumps(result, indent=1))
         print(f"\nwritten to {args.json}")

@@ -40,8 +40,8 @@ def test_bad_input_is_one_line_and_exit_2(argv, flag, capsys):
 
 
 @pytest.mark.parametrize("argv, flag", [
-    (["histogram"], "experiment"), (["audit", "--batches", "2"], "--batches"), (["mismatch", "--lr", "1"], "--lr"),
-    (["scaler", "--json", "/proc/cannot/x.json"], "/proc/cannot"), (["audit", "--init", "/nonexistent"], "--init"),
+    (["histogram"], "experiment"), (["audit"], "experiment"), (["mismatch", "--lr", "1"], "--lr"),
+    (["scaler", "--json", "/proc/cannot/x.json"], "/proc/cannot"), (["heldout", "--init", "/nonexistent"], "--init"),
     (["heldout", "--samples", "0"], "--samples"),
 ])
 def test_experiments_refuse_bad_input_in_one_line(argv, flag, capsys):
