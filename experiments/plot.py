@@ -117,9 +117,13 @@ def growth(rows, probe):
             "entropy_growth": ratio("entropy_mean"), "logit_rms_growth": ratio("logit_rms"),
             **probed(probe)}
 
-def probed(probe):  # a policy's matched bf16 and fp16 mismatch on identical tokens, and its layer errors (None: not probed)
-    pairs = {r["trainer"]: r["mismatch_logp_abs_mean"] for r in probe["paired_rows"] if r["engine"] == r["trainer"]} if probe else {}
-    return {"probe_bf16": pairs.get("bf16"), "probe_fp16": pairs.get("fp16"), "layers": probe and probe["layers"]}
+def probed(probe):
+    """A policy's matched bf16 and fp16 mismatch on identical tokens (its own, sampled by the fp32 engine), the share of
+    those tokens the float32 trainer gives pi < 0.9, and its layer errors (None: not probed)."""
+    pairs = {r["trainer"]: r for r in probe["paired_rows"] if r["engine"] == r["trainer"]} if probe else {}
+    size = {k: pairs[k]["mismatch_logp_abs_mean"] if k in pairs else None for k in ("bf16", "fp16")}
+    low = sum(pairs["fp32"]["pi_bucket_frac"][:LOW_PI]) if "fp32" in pairs else None
+    return {"probe_bf16": size["bf16"], "probe_fp16": size["fp16"], "probe_low_pi_frac": low, "layers": probe and probe["layers"]}
 
 SUMMARY = (("reward_last10", "last-10 reward", ".4f"), ("heldout", "held-out (fp32 engine)", ".4f"))
 GROWTH = (("mismatch_growth", "per-token mismatch, last 10 steps over step 0", ".2f"),
@@ -129,7 +133,8 @@ GROWTH = (("mismatch_growth", "per-token mismatch, last 10 steps over step 0", "
           ("low_pi_frac_growth", "sampled tokens with pi < 0.9, their share of all tokens, last 10 over step 0", ".2f"),
           ("low_pi_share", "their part of the mean mismatch, last 10 steps", ".2f"),
           ("entropy_growth", "entropy of the sampled tokens, the same", ".2f"), ("logit_rms_growth", "RMS of the logits, the same", ".2f"),
-          ("probe_bf16", "the final policy's bf16 mismatch on identical tokens (its probe)", ".3e"), ("probe_fp16", "the same in fp16", ".3e"))
+          ("probe_bf16", "the policy's bf16 mismatch on identical tokens (its probe, at the run's last step)", ".3e"), ("probe_fp16", "the same in fp16", ".3e"),
+          ("probe_low_pi_frac", "the probe's tokens with pi < 0.9 (float32 trainer), their share", ".4f"))
 GROWTH_PANELS = [("mismatch_logp_abs_mean", "mean |log mu - log pi|"), ("mismatch_within", "its rise within buckets of pi"),
                  ("mismatch_shift", "its rise from tokens changing bucket"), ("entropy_mean", "entropy of the sampled tokens"),
                  ("logit_rms", "RMS of the logits"), ("response_len_mean", "response length")]
@@ -210,10 +215,15 @@ def print_cross(out):
         for s in seeds:
             print(f"| {s} | " + " | ".join(f"{pick(c, 'probe_bf16', s):.3e} / {pick(c, 'probe_fp16', s):.3e}" for c in pols) + " |")
         log_ratio = lambda k: [math.log(pick(pols[1], k, s) / pick(pols[2], k, s)) for s in seeds]  # noqa: E731
-        d = cells["bf16"]["cross_excess"] = paired(log_ratio("probe_bf16"), log_ratio("probe_fp16"))
-        if d["se"]:  # two seeds or more
-            print(f"\nlog(bf16-trained / fp16-trained) in bf16 minus the same in fp16: {d['mean']:+.3f} "
-                  f"[{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}] p={d['p_sign_flip']:.3f} (n={d['n']})")
+        zero = [0.0] * len(seeds)  # a log ratio against 0: is the bf16-trained policy further off in that format
+        cells["bf16"].update(cross_bf16=paired(log_ratio("probe_bf16"), zero), cross_fp16=paired(log_ratio("probe_fp16"), zero),
+                             cross_excess=paired(log_ratio("probe_bf16"), log_ratio("probe_fp16")))
+        print()
+        for key, what in (("cross_bf16", "in bf16"), ("cross_fp16", "in fp16"), ("cross_excess", "in bf16 minus the same in fp16")):
+            d = cells["bf16"][key]
+            if d["se"]:  # two seeds or more
+                print(f"log(bf16-trained / fp16-trained) {what}: {d['mean']:+.3f} "
+                      f"[{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}] p={d['p_sign_flip']:.3f} (n={d['n']})")
 
 def print_layers(out):
     """Where the error enters, mean over the seeds' final policies: RMS(mode - fp32) / RMS(fp32) per block, norm, logits."""
