@@ -221,7 +221,7 @@ def print_cross(out):
         print()
         for key, what in (("cross_bf16", "in bf16"), ("cross_fp16", "in fp16"), ("cross_excess", "in bf16 minus the same in fp16")):
             d = cells["bf16"][key]
-            if d["se"]:  # two seeds or more
+            if d["se"] is not None:  # two seeds or more (0 when every seed agrees exactly)
                 print(f"log(bf16-trained / fp16-trained) {what}: {d['mean']:+.3f} "
                       f"[{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}] p={d['p_sign_flip']:.3f} (n={d['n']})")
 
