@@ -174,7 +174,8 @@ def experiment(args):
                 ax.set_yscale("log" if key == "mismatch_logp_abs_mean" else "linear")
                 ax.grid(alpha=0.3)
         axes[row, 0].legend(fontsize=7)
-        seeds = cells.get("bf16", {}).get("seeds", []) if args.figure == "growth" else []
+        bf16 = cells.get("bf16", {})  # the warm start joins the arms whose policies were probed (campaign.PROBED)
+        seeds = bf16["seeds"] if args.figure == "growth" and any(bf16.get("probe_bf16") or []) else []
         warm = [(s, probed(p)) for s in seeds if (p := load(os.path.join(args.path, f"warmstart-s{s}", "probe.json")))]
         if warm:  # the third policy of the cross-probe: the warm start each seed began from
             cells["warm start"] = {"seeds": [s for s, _ in warm], "n": len(warm), **{k: [p[k] for _, p in warm] for k in warm[0][1]}}
