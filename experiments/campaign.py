@@ -47,6 +47,8 @@ PLANS = {  # arms in priority order, each with its variants
     "extend": [("gspo-engine", ["fp16", "bf16", "fp32", "bf16-aligned"])],  # arm 1's borderline cells, --seeds 5 6 7
     "extend-grpo": [("grpo", ["fp16", "bf16", "fp32", "bf16-aligned"])],  # arm 3's borderline cells, --seeds 5 6 7
     "extend-gspo": [("gspo", ["fp16", "bf16"])],  # arm 4 against arm 1's seeds 5-7 (#24's ablation), --seeds 5 6 7
+    "extend-rest": [("gspo-engine", ["bf16-head32", "bf16-engine32"]), ("drgrpo-mb4", ["fp16", "bf16", "fp32", "bf16-aligned"]),
+                    ("seq-mis-engine", ["fp16", "bf16"]), ("pg-seq-is", ["fp16", "bf16"])],  # the cells left at five, --seeds 5 6 7
     "midrun": [("gspo-engine", ["fp16", "bf16"])],  # #24's cross-probe at the mismatch's peak, with --stop-after
     "smoke": [("grpo", ["fp32"])],  # the tests' plan: one run per seed
 }
