@@ -1,13 +1,11 @@
 """
 model.py: a small Llama-style GPT, written from scratch, and its checkpoint format.
 
-A network vLLM serves natively (LlamaForCausalLM): embedding, RMSNorm, "rotate half" RoPE,
-causal attention, SwiGLU MLP, final norm, untied LM head. The parameters carry Hugging Face's
-Llama names: a checkpoint is config.json + model.safetensors, and the same (name, tensor)
-pairs feed vLLM's in-place weight reload during RL.
+A network vLLM serves natively (LlamaForCausalLM), with Hugging Face's Llama names: a
+checkpoint is config.json + model.safetensors; the same pairs feed vLLM's weight reload.
 
-It teaches: the trainer's forward and the engine's are two implementations of one function.
-In float32 they agree to ~1e-6 (tests/); in 16 bits they round differently: the mismatch.
+It teaches: the trainer's forward and the engine's are two implementations of one function:
+in float32 they agree to ~1e-6; in 16 bits they round differently. Left out: dropout.
 """
 import json
 import math
@@ -18,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# Head sizes vLLM's CPU attention accepts (GPUs accept these too).
+# Head sizes vLLM's CPU attention accepts (GPUs too).
 VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 @dataclass
@@ -33,7 +31,6 @@ class GPTConfig:
     norm_eps: float = 1e-5
     bos_id: int = 256
     eos_id: int = 257
-
     def __post_init__(self):
         head = self.n_embd // self.n_head
         if self.n_embd % self.n_head or head not in VLLM_HEAD_SIZES:
@@ -45,18 +42,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        # In float32 whatever the activation dtype, as HF and vLLM do: a mean of squares in
-        # 16 bits loses the small components first.
+    def forward(self, x):  # float32 statistics, as HF and vLLM: 16 bits lose small parts
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
 def rope_cos_sin(cfg, T, device):
-    """cos/sin for positions 0..T-1, "rotate half" layout (a head's two halves are the two
-    coordinates of each rotated pair). In float32: positions x frequencies in 16 bits would
-    be off by whole radians at long range."""
+    """cos/sin, "rotate half" layout; float32: 16 bits are off by radians at long range."""
     head = cfg.n_embd // cfg.n_head
     f32 = dict(device=device, dtype=torch.float32)
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head, 2, **f32) / head))
@@ -73,11 +65,8 @@ class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.n_head, d = cfg.n_head, cfg.n_embd
-        self.q_proj = nn.Linear(d, d, bias=False)
-        self.k_proj = nn.Linear(d, d, bias=False)
-        self.v_proj = nn.Linear(d, d, bias=False)
-        self.o_proj = nn.Linear(d, d, bias=False)
-
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            nn.Linear(d, d, bias=False) for _ in range(4))
     def forward(self, x, cos, sin):
         B, T, C = x.shape
         q, k, v = (p(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
@@ -92,7 +81,6 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.n_embd, cfg.n_hidden, bias=False)
         self.up_proj = nn.Linear(cfg.n_embd, cfg.n_hidden, bias=False)
         self.down_proj = nn.Linear(cfg.n_hidden, cfg.n_embd, bias=False)
-
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -103,7 +91,6 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.mlp = MLP(cfg)
-
     def forward(self, x, cos, sin):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -121,11 +108,9 @@ class GPT(nn.Module):
                 residual = name.endswith(("o_proj.weight", "down_proj.weight"))
                 std = 0.02 / math.sqrt(2 * cfg.n_layer) if residual else 0.02
                 nn.init.normal_(p, mean=0.0, std=std)
-
     def forward(self, idx, head_dtype=None):
-        """Token ids (B, T) -> logits (B, T, vocab), in the weights' dtype (precision.py runs it
-        on 16-bit copies). head_dtype=float32: the head's inputs (hidden states, weight) cast to
-        float32 and multiplied there, as vLLM's head_dtype: no 16-bit rounding of the logits."""
+        """Token ids (B, T) -> logits (B, T, vocab) in the weights' dtype. head_dtype=float32:
+        the head's inputs cast to float32 and multiplied there, as vLLM's head_dtype does."""
         cos, sin = rope_cos_sin(self.cfg, idx.shape[1], idx.device)
         x = self.embed_tokens(idx)
         for block in self.layers:
@@ -140,16 +125,28 @@ def token_logprobs(model, idx):
     return logprobs_of(model(idx[:, :-1]), idx)
 
 def logprobs_of(logits, idx):
-    """The log-prob of each next token in idx, from the logits of idx[:, :-1]. log_softmax in
-    float32, whatever the logits' dtype: exactly what vLLM reports ("raw_logprobs")."""
+    """Each next token's log-prob: log_softmax in float32, as vLLM reports (raw_logprobs)."""
     logp = F.log_softmax(logits.float(), dim=-1)
     return torch.gather(logp, -1, idx[:, 1:, None]).squeeze(-1)
 
-# ---------------------------------------------------------------------------------------------
-# Checkpoint format: a Hugging Face Llama folder (config.json + model.safetensors), float32
+def pack(prompts, responses, device, logprobs=None, pad=GPTConfig.eos_id):
+    """(N, T) ids right-padded with the end token; the (N, T-1) mask of response tokens
+    (token_logprobs' layout); the engine's log-probs in the same layout (or zeros)."""
+    seqs = [p + r for p, r in zip(prompts, responses)]
+    T = max(len(s) for s in seqs)
+    idx = torch.full((len(seqs), T), pad, dtype=torch.long)
+    mask, mu = torch.zeros(len(seqs), T - 1), torch.zeros(len(seqs), T - 1)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        idx[i, :len(p) + len(r)] = torch.tensor(p + r)
+        where = slice(len(p) - 1, len(p) - 1 + len(r))
+        mask[i, where] = 1.0
+        if logprobs is not None:
+            mu[i, where] = torch.tensor(logprobs[i])
+    return idx.to(device), mask.to(device), mu.to(device)
 
-def hf_named_tensors(model):
-    """(hf_name, tensor) pairs of the live model: what vLLM loads, and rollout.py syncs."""
+# --- The checkpoint: a Hugging Face Llama folder (config.json + model.safetensors) ---------
+
+def hf_named_tensors(model):  # (HF name, tensor) pairs: what vLLM loads, and rollout.py syncs
     for name, p in model.named_parameters():
         yield (name if name.startswith("lm_head") else "model." + name), p.detach()
 
@@ -164,32 +161,36 @@ def hf_config(cfg):
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         "tie_word_embeddings": False, "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id,
-        "torch_dtype": "float32",
-        "gpt_config": asdict(cfg),  # our own config: load_hf tells a checkpoint of ours
-    }
+        "torch_dtype": "float32", "gpt_config": asdict(cfg)}  # ours: read_config checks it
+
+def write_atomic(path, text):  # a kill leaves the old file or the new, never half
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 def save_hf(model, out_dir):
-    """Write each file under a temporary name, then rename it: never half a checkpoint."""
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
-    weights, config = os.path.join(out_dir, "model.safetensors"), os.path.join(out_dir, "config.json")
+    weights = os.path.join(out_dir, "model.safetensors")
     # float32 on disk: the master weights, so every dtype's run starts from the same values.
-    save_file({k: v.float().contiguous().cpu() for k, v in hf_named_tensors(model)}, weights + ".tmp")
+    state = {k: v.float().contiguous().cpu() for k, v in hf_named_tensors(model)}
+    save_file(state, weights + ".tmp")
     os.replace(weights + ".tmp", weights)
-    with open(config + ".tmp", "w") as f:
-        json.dump(hf_config(model.cfg), f, indent=2)
-    os.replace(config + ".tmp", config)  # written last: its presence means complete
+    config = json.dumps(hf_config(model.cfg), indent=2)
+    write_atomic(os.path.join(out_dir, "config.json"), config)  # last: the folder is complete
 
-def load_hf(ckpt_dir, device="cpu"):
-    """Read a checkpoint written by save_hf back into an identical GPT (float32)."""
-    from safetensors.torch import load_file
-    path, weights = os.path.join(ckpt_dir, "config.json"), os.path.join(ckpt_dir, "model.safetensors")
+def read_config(ckpt_dir):  # the GPTConfig of a folder save_hf wrote; else ValueError
+    path, weights = (os.path.join(ckpt_dir, f) for f in ("config.json", "model.safetensors"))
     if not os.path.isfile(path) or not os.path.isfile(weights):
         raise ValueError(f"{ckpt_dir} is not a checkpoint (needs config.json, model.safetensors)")
     hf = json.load(open(path))
     if "gpt_config" not in hf:
         raise ValueError(f"{ckpt_dir} is not a checkpoint written by model.py (no gpt_config)")
-    model = GPT(GPTConfig(**hf["gpt_config"]))
-    state = {k.removeprefix("model."): v for k, v in load_file(weights).items()}
-    model.load_state_dict(state)
+    return GPTConfig(**hf["gpt_config"])
+
+def load_hf(ckpt_dir, device="cpu"):  # what save_hf wrote, as an identical GPT (float32)
+    from safetensors.torch import load_file
+    model = GPT(read_config(ckpt_dir))
+    weights = load_file(os.path.join(ckpt_dir, "model.safetensors"))
+    model.load_state_dict({k.removeprefix("model."): v for k, v in weights.items()})
     return model.to(device)

@@ -1,20 +1,21 @@
 """
-experiments/campaign.py: every RL run of a plan, each (arm, variant, seed) once, resumable: stop it
-at any moment, run the same command again, and it goes on where it stopped.
+experiments/campaign.py: every RL run of a plan, each (arm, variant, seed) once, resumable: stop
+it at any moment, run the same command again, and it goes on where it stopped.
 
     nohup python experiments/campaign.py > runs/campaign.log 2>&1 &   # the plan, in priority order
     python experiments/campaign.py --list                              # what is done, what is left
-    python experiments/campaign.py --plan extend --seeds 5 6 7         # more seeds for arm 1's borderline cells
-    python experiments/campaign.py --plan midrun --stop-after 8        # #24: arm 1's policies after 8 of 40 steps
+    python experiments/campaign.py --plan extend --seeds 5 6 7     # arm 1's borderline cells
+    python experiments/campaign.py --plan midrun --stop-after 8    # arm 1 after 8 of 40 steps
 
-A run is `train_grpo.py --seed S` with its arm's and variant's flags, in runs/campaign/ARM-VARIANT-sS
-(--seed picks the warm start too: one per seed, cached); a run left half done is resumed. A finished
-run's policy is read by one fp32 engine (probe.py heldout; in PROBED arms also by probe.py mismatch
---quick, and each seed's warm start once), then its small files go to results/<machine>/: committed,
-skipped next time, what plot.py draws from. <machine> is the CPU model and the ISA features vLLM's
-kernels read: runs are paired only within one machine's folder. --stop-after N ends every run after its N-th
-update (of its own schedule: its rows equal the whole run's) and reads that policy; results/<machine>/stepN/ keeps them.
-"""
+A run is `train_grpo.py --seed S` with its arm's and variant's flags, in
+runs/campaign/ARM-VARIANT-sS (--seed picks the warm start too: one per seed, cached); a run left
+half done is resumed. A finished run's policy is read by one fp32 engine (probe.py heldout; in
+PROBED arms also by probe.py mismatch --quick, and each seed's warm start once), then its small
+files go to results/<machine>/: committed, skipped next time, what plot.py draws from. <machine>
+is the CPU model and the ISA features vLLM's kernels read: runs are paired only within one
+machine's folder. --stop-after N ends every run after its N-th update (of its own schedule: its
+rows equal the whole run's) and reads that policy; results/<machine>/stepN/ keeps them."""
+
 import argparse
 import json
 import os
@@ -24,39 +25,91 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from precision import machine  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [ROOT, HERE]  # the core, and this folder, from anywhere
+from instruments import machine  # noqa: E402
 
 ARMS = {  # the flags every variant of an arm shares
-    "gspo-engine": ["--algorithm", "gspo", "--behavior-logp", "engine"],  # the mismatch inside the trust region
-    "drgrpo-mb4": ["--dr-grpo", "--minibatches", "4"],                    # the paper's recipe
-    "grpo": [],                                                           # the default run
-    "gspo": ["--algorithm", "gspo"],                                      # arm 1 without the mismatch in it
-    "seq-mis-engine": ["--algorithm", "seq-mis", "--behavior-logp", "engine"],  # the paper's patches
+    "gspo-engine": [
+        "--algorithm",
+        "gspo",
+        "--behavior-logp",
+        "engine",
+    ],  # the mismatch inside the trust region
+    "drgrpo-mb4": ["--dr-grpo", "--minibatches", "4"],  # the paper's recipe
+    "grpo": [],  # the default run
+    "gspo": ["--algorithm", "gspo"],  # arm 1 without the mismatch in it
+    "seq-mis-engine": [
+        "--algorithm",
+        "seq-mis",
+        "--behavior-logp",
+        "engine",
+    ],  # the paper's patches
     "pg-seq-is": ["--algorithm", "pg-seq-is"],
 }
-VARIANTS = {"fp16": ["--dtype", "fp16"], "bf16": ["--dtype", "bf16"], "fp32": ["--dtype", "fp32"],
-            "bf16-head32": ["--dtype", "bf16", "--lm-head", "fp32"],
-            "bf16-engine32": ["--dtype", "bf16", "--engine-dtype", "fp32"],
-            "bf16-aligned": ["--dtype", "bf16", "--trainer-kernels", "engine"]}
+VARIANTS = {
+    "fp16": ["--dtype", "fp16"],
+    "bf16": ["--dtype", "bf16"],
+    "fp32": ["--dtype", "fp32"],
+    "bf16-head32": ["--dtype", "bf16", "--lm-head", "fp32"],
+    "bf16-engine32": ["--dtype", "bf16", "--engine-dtype", "fp32"],
+    "bf16-aligned": ["--dtype", "bf16", "--trainer-kernels", "engine"],
+}
 PLANS = {  # arms in priority order, each with its variants
-    "campaign": [("gspo-engine", ["fp16", "bf16", "fp32", "bf16-head32", "bf16-engine32", "bf16-aligned"]),
-                 ("drgrpo-mb4", ["fp16", "bf16", "fp32", "bf16-aligned"]), ("grpo", ["fp16", "bf16", "fp32", "bf16-aligned"]),
-                 ("gspo", ["fp16", "bf16"]), ("seq-mis-engine", ["fp16", "bf16"]), ("pg-seq-is", ["fp16", "bf16"])],
-    "extend": [("gspo-engine", ["fp16", "bf16", "fp32", "bf16-aligned"])],  # arm 1's borderline cells, --seeds 5 6 7
-    "extend-grpo": [("grpo", ["fp16", "bf16", "fp32", "bf16-aligned"])],  # arm 3's borderline cells, --seeds 5 6 7
-    "extend-gspo": [("gspo", ["fp16", "bf16"])],  # arm 4 against arm 1's seeds 5-7 (#24's ablation), --seeds 5 6 7
-    "extend-rest": [("gspo-engine", ["bf16-head32", "bf16-engine32"]), ("drgrpo-mb4", ["fp16", "bf16", "fp32", "bf16-aligned"]),
-                    ("seq-mis-engine", ["fp16", "bf16"]), ("pg-seq-is", ["fp16", "bf16"])],  # the cells left at five, --seeds 5 6 7
-    "midrun": [("gspo-engine", ["fp16", "bf16"])],  # #24's cross-probe at the mismatch's peak, with --stop-after
+    "campaign": [
+        (
+            "gspo-engine",
+            ["fp16", "bf16", "fp32", "bf16-head32", "bf16-engine32", "bf16-aligned"],
+        ),
+        ("drgrpo-mb4", ["fp16", "bf16", "fp32", "bf16-aligned"]),
+        ("grpo", ["fp16", "bf16", "fp32", "bf16-aligned"]),
+        ("gspo", ["fp16", "bf16"]),
+        ("seq-mis-engine", ["fp16", "bf16"]),
+        ("pg-seq-is", ["fp16", "bf16"]),
+    ],
+    "extend": [
+        ("gspo-engine", ["fp16", "bf16", "fp32", "bf16-aligned"])
+    ],  # arm 1's borderline cells, --seeds 5 6 7
+    "extend-grpo": [
+        ("grpo", ["fp16", "bf16", "fp32", "bf16-aligned"])
+    ],  # arm 3's borderline cells, --seeds 5 6 7
+    "extend-gspo": [
+        ("gspo", ["fp16", "bf16"])
+    ],  # arm 4 against arm 1's seeds 5-7 (#24's ablation), --seeds 5 6 7
+    "extend-rest": [
+        ("gspo-engine", ["bf16-head32", "bf16-engine32"]),
+        ("drgrpo-mb4", ["fp16", "bf16", "fp32", "bf16-aligned"]),
+        ("seq-mis-engine", ["fp16", "bf16"]),
+        ("pg-seq-is", ["fp16", "bf16"]),
+    ],  # the cells left at five, --seeds 5 6 7
+    "midrun": [
+        ("gspo-engine", ["fp16", "bf16"])
+    ],  # #24's cross-probe at the mismatch's peak, with --stop-after
     "smoke": [("grpo", ["fp32"])],  # the tests' plan: one run per seed
 }
+# The mismatch dial (dial.py): the bf16 trainer on the engine's kernels (mismatch 0) with the
+# engine's logits perturbed, DOSE x the chip's bf16 mismatch on the warm start, in two shapes.
+DIAL_DOSES = (1, 3, 10, 30, 100)
+for shape in ("uniform", "bf16"):
+    for dose in DIAL_DOSES:
+        VARIANTS[f"bf16-aligned-dial{dose}-{shape}"] = VARIANTS["bf16-aligned"]
+PLANS["dial"] = [
+    (arm, ["bf16-aligned", *(f"bf16-aligned-dial{d}-uniform" for d in DIAL_DOSES)])
+    for arm in ("grpo", "gspo-engine")
+] + [(arm, [f"bf16-aligned-dial{d}-bf16" for d in DIAL_DOSES]) for arm in ("grpo", "gspo-engine")]
 
-PROBED = ("gspo-engine",)  # arms whose final policies (and each seed's warm start) probe.py also reads in bf16 and fp16
+def dial_of(variant):
+    """(dose, shape) of a dial variant, or None."""
+    m = re.search(r"-dial(\d+)-(\w+)$", variant)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+PROBED = (
+    "gspo-engine",
+)  # arms whose final policies (and each seed's warm start) probe.py also reads in bf16 and fp16
 
 def probed(name):
-    return name.startswith(tuple(f"{arm}-" for arm in PROBED))
+    return name.startswith(tuple(f"{arm}-" for arm in PROBED)) and "-dial" not in name
 
 def machine_group(m):
     """results/ subfolder name: the CPU (or GPU) model and the ISA features, as a slug."""
@@ -66,43 +119,99 @@ def machine_group(m):
 def plan_runs(args):
     """(name, flags) of every run: arm by arm, in an arm seed by seed: however far it got, an arm's
     variants have the same seeds, paired."""
-    return [(f"{arm}-{v}-s{seed}", ["--seed", str(seed), *ARMS[arm], *VARIANTS[v]])
-            for arm, variants in PLANS[args.plan] for seed in args.seeds for v in variants]
+    return [
+        (f"{arm}-{v}-s{seed}", ["--seed", str(seed), *ARMS[arm], *VARIANTS[v]], dial_options(v))
+        for arm, variants in PLANS[args.plan]
+        for seed in args.seeds
+        for v in variants
+    ]
 
-def finished(folder, readings_too=True):  # its metrics reach its last step (args.json's) and its readings are in
+def dial_options(variant):
+    """campaign.py --run's options for a dial variant: its dose and shape."""
+    dial = dial_of(variant)
+    return ["--dial", str(dial[0]), "--dial-shape", dial[1]] if dial else []
+
+def finished(
+    folder, readings_too=True
+):  # its metrics reach its last step (args.json's) and its readings are in
     try:
         args = json.load(open(os.path.join(folder, "args.json")))
         rows = sum(1 for _ in open(os.path.join(folder, "metrics.jsonl")))
         files = readings(os.path.basename(folder)) if readings_too else ("hf/config.json",)
-        return rows >= (args.get("stop_after") or args["steps"]) and all(os.path.isfile(os.path.join(folder, f)) for f in files)
+        return rows >= (args.get("stop_after") or args["steps"]) and all(
+            os.path.isfile(os.path.join(folder, f)) for f in files
+        )
     except (OSError, ValueError, KeyError):
         return False
 
 def readings(name):
     return ("heldout.json", "probe.json") if probed(name) else ("heldout.json",)
 
-def run_one(name, flags, args, results):
-    """Train (or resume) one run, read its policy's held-out accuracy (and, in PROBED arms, its mismatch on identical
-    tokens in bf16 and fp16 and per layer: probe.py mismatch --quick, the seed's warm start's too), copy its small files."""
+def run_one(name, flags, dial_opts, args, results):
+    """Train (or resume) one run, read its policy's held-out accuracy (and, in PROBED arms, its
+    mismatch on identical tokens in bf16 and fp16 and per layer: probe.py mismatch --quick, the
+    seed's warm start's too), copy its small files."""
     out = os.path.join(args.runs, name)
     resume = ["--resume"] if os.path.isfile(os.path.join(out, "checkpoint.pt")) else []
     if not resume and os.path.isdir(out):
         shutil.rmtree(out)  # killed before its first checkpoint: nothing to keep
-    train = [sys.executable, "train_grpo.py", *flags, *args.extra, "--out", out, *resume]
-    if args.stop_after:  # the same run, ended after its N-th update by train_until
-        train[1:2] = ["experiments/campaign.py", "--train-until", str(args.stop_after), "--"]
-    heldout = [sys.executable, "experiments/probe.py", "heldout", "--init", os.path.join(out, "hf"),
-               "--seed", flags[1], "--samples", str(args.samples), "--json", os.path.join(out, "heldout.json")]
-    stopped = args.stop_after and finished(out, readings_too=False)  # a resume would go on past step N: read it
+    until = ["--stop-after", str(args.stop_after)] if args.stop_after else []
+    if dial_opts:  # the chip's calibration, in its results folder (dial.py calibrate)
+        dial_opts = [*dial_opts, "--dial-calibration", os.path.join(results, "dial.json")]
+    train = [
+        sys.executable,
+        "experiments/campaign.py",
+        "--run",
+        *until,
+        *dial_opts,
+        "--",
+        *flags,
+        *args.extra,
+        "--out",
+        out,
+        *resume,
+    ]
+    heldout = [
+        sys.executable,
+        "experiments/probe.py",
+        "heldout",
+        "--init",
+        os.path.join(out, "hf"),
+        "--seed",
+        flags[1],
+        "--samples",
+        str(args.samples),
+        "--json",
+        os.path.join(out, "heldout.json"),
+    ]
+    stopped = args.stop_after and finished(
+        out, readings_too=False
+    )  # a resume would go on past step N: read it
     steps = ([] if stopped else [train]) + [heldout]
-    if probed(name):  # the policy's mismatch on identical tokens in bf16 and fp16 and per layer; the warm start's once
-        probe = [sys.executable, "experiments/probe.py", "mismatch", "--quick", "--group-size", "4", "--seed", flags[1]]
+    if probed(
+        name
+    ):  # the policy's mismatch on identical tokens in bf16 and fp16 and per layer; the warm start's once
+        probe = [
+            sys.executable,
+            "experiments/probe.py",
+            "mismatch",
+            "--quick",
+            "--group-size",
+            "4",
+            "--seed",
+            flags[1],
+        ]
         warm = os.path.join(results, f"warmstart-s{flags[1]}", "probe.json")
-        steps.append(probe + ["--init", os.path.join(out, "hf"), "--json", os.path.join(out, "probe.json")])
+        steps.append(
+            probe
+            + ["--init", os.path.join(out, "hf"), "--json", os.path.join(out, "probe.json")]
+        )
         if not os.path.isfile(warm):
             os.makedirs(os.path.dirname(warm), exist_ok=True)
             steps.append(probe + ["--json", warm])
-    if any(subprocess.run(cmd, cwd=ROOT).returncode != 0 for cmd in steps):  # in order, stops at a failure
+    if any(
+        subprocess.run(cmd, cwd=ROOT).returncode != 0 for cmd in steps
+    ):  # in order, stops at a failure
         return False
     keep = os.path.join(results, name)
     os.makedirs(keep + ".tmp", exist_ok=True)
@@ -112,59 +221,123 @@ def run_one(name, flags, args, results):
     os.replace(keep + ".tmp", keep)  # the results folder holds whole runs only
     return True
 
-def train_until(n, argv):
-    """train_grpo.py's run, ended after its n-th update, its schedule that of all --steps: step 5 (log) of step n - 1,
-    then that policy to hf/ as the run's end writes it, and n as args.json's stop_after."""
-    import train_grpo as tg
-    args, log = tg.get_args(argv), tg.log_step  # get_args wrote args.json: add n to it
-    record = os.path.join(args.out, "args.json")
-    tg.write_atomic(record, json.dumps({**json.load(open(record)), "stop_after": min(n, args.steps)}, indent=2))
+def train_run(argv, stop_after, dial=None):
+    """One run: train_grpo.py's flags, the instruments on, the machine in args.json; with
+    stop_after n, ended after its n-th update on the schedule of all --steps (stop_after
+    recorded), its policy in hf/ as a whole run's; with dial (dose, shape, calibration file),
+    its engine perturbed by dial.py, started here as train() would start it."""
+    import instruments
+    import train_grpo
 
-    def log_then_stop(out, step, rec, model, *rest):
-        log(out, step, rec, model, *rest)
-        if step + 1 == n:
-            tg.save_hf(model, os.path.join(out, "hf"))
-            sys.exit(0)
-    tg.log_step = log_then_stop
-    tg.train(args)
+    args = train_grpo.get_args(argv)
+    record, llm = {"machine": machine()}, None
+    if stop_after:
+        record["stop_after"] = min(stop_after, args.steps)
+    if dial:
+        llm, more = dial_engine(args, *dial)
+        record.update(more)
+    train_grpo.train(
+        args, llm=llm, instruments=instruments, record=record, until=record.get("stop_after")
+    )
+
+def dial_engine(args, dose, shape, calibration):
+    """The run's engine, as train() starts it, with the dial's processor (none at dose 0)."""
+    import dial
+    from precision import get_precision
+    from rollout import start_engine
+    from warm_start import model_config, warm_start
+
+    more, record = dial.dial_run_args(calibration, shape, dose)
+    prec = get_precision(args.dtype, args.engine_dtype, args.lm_head, kernels=args.trainer_kernels)
+    cfg = model_config(args.n_items, args.max_new_tokens, args.n_layer, args.n_head, args.n_embd)
+    ckpt = args.init or warm_start(cfg, args.n_items, args.seed, prec.device)
+    llm = start_engine(ckpt, prec.vllm_dtype, args.seed, cfg.max_seq_len, prec.head_fp32, **more)
+    return llm, record
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="every RL run of a plan, once, resumable")
     p.error = lambda message: p.exit(2, f"error: {message}\n")  # one line, exit 2
     p.add_argument("--plan", default="campaign", choices=list(PLANS))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    p.add_argument("--samples", type=int, default=8, help="held-out samples of each problem (probe.py heldout)")
-    p.add_argument("--runs", default=os.path.join("runs", "campaign"), help="where the runs work")
-    p.add_argument("--results", default="results", help="where finished runs' small files go, per machine")
-    p.add_argument("--list", action="store_true", help="print the plan and what is done, run nothing")
-    p.add_argument("--stop-after", type=int, default=None, help="end every run after its N-th update (of --steps' schedule)")
-    p.add_argument("--train-until", type=int, default=None, help=argparse.SUPPRESS)  # run_one's, with --stop-after
-    p.add_argument("extra", nargs="*", help="after --: more train_grpo.py flags for every run (the tests' small runs)")
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=8,
+        help="held-out samples of each problem (probe.py heldout)",
+    )
+    p.add_argument(
+        "--runs", default=os.path.join("runs", "campaign"), help="where the runs work"
+    )
+    p.add_argument(
+        "--results", default="results", help="where finished runs' small files go, per machine"
+    )
+    p.add_argument(
+        "--list", action="store_true", help="print the plan and what is done, run nothing"
+    )
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="end every run after its N-th update (of --steps' schedule)",
+    )
+    p.add_argument(
+        "--run",
+        action="store_true",
+        help="one run of train_grpo.py's flags after --, instruments on",
+    )
+    p.add_argument("--dial", type=int, default=None, help="--run: the dial's dose (dial.py)")
+    p.add_argument("--dial-shape", default="uniform", choices=["uniform", "bf16"])
+    p.add_argument("--dial-calibration", default=None, help="--run: dial.py calibrate's JSON")
+    p.add_argument(
+        "extra",
+        nargs="*",
+        help="after --: more train_grpo.py flags for every run (the tests' small runs)",
+    )
     args = p.parse_args(argv)
     if args.samples < 1 or (args.stop_after or 1) < 1:
-        p.error(f"--samples and --stop-after must be >= 1, got {args.samples} and {args.stop_after}")
-    if args.train_until:
-        return train_until(args.train_until, args.extra)
+        p.error(
+            f"--samples and --stop-after must be >= 1, got {args.samples} and {args.stop_after}"
+        )
+    if args.run:
+        dial = (args.dial, args.dial_shape, args.dial_calibration) if args.dial else None
+        return train_run(args.extra, args.stop_after, dial)
     os.chdir(ROOT)
-    stopped = [f"step{args.stop_after}"] if args.stop_after else []  # mid-run policies: a folder of their own
-    results, args.runs = os.path.join(args.results, machine_group(machine()), *stopped), os.path.join(args.runs, *stopped)
+    stopped = (
+        [f"step{args.stop_after}"] if args.stop_after else []
+    )  # mid-run policies: a folder of their own
+    results, args.runs = os.path.join(
+        args.results, machine_group(machine()), *stopped
+    ), os.path.join(args.runs, *stopped)
     runs = plan_runs(args)
-    todo = [(n, f) for n, f in runs if not finished(os.path.join(results, n))]
-    print(f"plan {args.plan}: {len(runs)} runs, {len(runs) - len(todo)} done in {results}", flush=True)
+    todo = [(n, f, d) for n, f, d in runs if not finished(os.path.join(results, n))]
+    print(
+        f"plan {args.plan}: {len(runs)} runs, {len(runs) - len(todo)} done in {results}",
+        flush=True,
+    )
     if args.list:
-        return print("\n".join(f"  {'todo' if (n, f) in todo else 'done'}  {n}" for n, f in runs))
+        return print(
+            "\n".join(f"  {'todo' if (n, f, d) in todo else 'done'}  {n}" for n, f, d in runs)
+        )
     os.makedirs(results, exist_ok=True)
     timed = []
-    for i, (name, flags) in enumerate(todo):
+    if args.plan == "dial" and not os.path.isfile(os.path.join(results, "dial.json")):
+        p.error(f"--plan dial: no {results}/dial.json: run experiments/dial.py calibrate first")
+    for i, (name, flags, dial_opts) in enumerate(todo):
         t0 = time.time()
         print(f"[{len(runs) - len(todo) + i + 1}/{len(runs)}] {name}", flush=True)
-        if not run_one(name, flags, args, results):
-            print(f"campaign: {name} failed (its output is above); going on with the next run", flush=True)
+        if not run_one(name, flags, dial_opts, args, results):
+            print(
+                f"campaign: {name} failed (its output is above); going on with the next run",
+                flush=True,
+            )
             continue
         timed.append(time.time() - t0)
         left = (len(todo) - i - 1) * sum(timed) / len(timed)
-        print(f"[{len(runs) - len(todo) + i + 1}/{len(runs)}] {name} done in {timed[-1]:.0f} s; "
-              f"about {left / 3600:.1f} h left at this pace", flush=True)
+        print(
+            f"[{len(runs) - len(todo) + i + 1}/{len(runs)}] {name} done in {timed[-1]:.0f} s; "
+            f"about {left / 3600:.1f} h left at this pace",
+            flush=True,
+        )
 
 if __name__ == "__main__":
     main()

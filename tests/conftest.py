@@ -8,24 +8,27 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "experiments")]  # the core, and the experiments' modules
 
 import rollout  # noqa: E402  (sets the vLLM environment variables before vllm is imported)
 import task  # noqa: E402
 import train_grpo  # noqa: E402
+import warm_start  # noqa: E402
 from model import GPT, GPTConfig, save_hf  # noqa: E402
 
 MAX_LEN = 128
+# Eight sorting prompts, for the tests that sample from an engine.
+PROMPTS = [task.prompt_ids(f"sort {','.join(str((i * 7 + j) % 10) for j in range(12))}=") for i in range(8)]
 
 
 @pytest.fixture(scope="session", autouse=True)
 def small_warm_start(tmp_path_factory):
     """A warm start of 40 steps of 32 problems (it solves nothing, fast) and 32 held-out problems."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(train_grpo, "SFT_STEPS", 40)
-        mp.setattr(train_grpo, "SFT_BATCH", 32)
-        mp.setattr(train_grpo, "N_EVAL", 32)
-        mp.setattr(train_grpo, "WARMSTART_DIR", str(tmp_path_factory.mktemp("warmstart")))
+        mp.setattr(warm_start, "SFT_STEPS", 40)
+        mp.setattr(warm_start, "SFT_BATCH", 32)
+        mp.setattr(task, "N_EVAL", 32)
+        mp.setattr(warm_start, "WARMSTART_DIR", str(tmp_path_factory.mktemp("warmstart")))
         yield
 
 
@@ -71,4 +74,4 @@ def varied_reward(monkeypatch):
     """The tiny warm start solves nothing, so every reward, advantage and gradient would be 0 and no
     weight would move. Reward the parity of the first sampled token instead: it varies within a
     group, so the RL steps really update the model (and its optimizer state)."""
-    monkeypatch.setattr(train_grpo.task, "reward", lambda ids, answer: float(bool(ids) and ids[0] % 2 == 0))
+    monkeypatch.setattr(task, "reward", lambda ids, answer: float(bool(ids) and ids[0] % 2 == 0))

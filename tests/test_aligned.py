@@ -5,12 +5,12 @@ import torch
 import torch.nn.functional as F
 
 import aligned
+import instruments
 import rollout
 import task
-from model import GPTConfig, hf_named_tensors, load_hf, token_logprobs
+from conftest import PROMPTS
+from model import GPTConfig, hf_named_tensors, load_hf, pack, token_logprobs
 from precision import get_precision
-from test_rollout import PROMPTS
-from train_grpo import pack
 
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -28,7 +28,7 @@ def test_aligned_logprobs_equal_the_engines(engine, random_ckpt, name):
     torch.manual_seed(0)
     samples = rollout.generate(llm, PROMPTS, 4, 32, task.EOS_ID)
     prompts, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
-    scored = rollout.prefill_logprobs(llm, [p + r for p, r in zip(prompts, responses)], [len(p) for p in prompts])
+    scored = instruments.prefill_logprobs(llm, [p + r for p, r in zip(prompts, responses)], [len(p) for p in prompts])
     idx, mask, decode = pack(prompts, responses, "cpu", [s.logprobs for s in samples])
     prefill, on = pack(prompts, responses, "cpu", scored)[2], mask.bool()
     with torch.no_grad():

@@ -1,13 +1,22 @@
 """The offline experiments on the real engines: the mismatch probe with the fixes' rows and table, the GradScaler
-ablation, the held-out reader, the statistics by hand, the campaign runner and the figures."""
+ablation, the gradient-bias audit, the held-out reader, the statistics by hand, the campaign runner and the figures."""
 import json
 import math
 import os
 
+import numpy as np
 import pytest
+import torch
 
+import rollout
+import task
 from experiments import plot, probe
-from precision import machine_line
+from instruments import machine_line
+from model import hf_named_tensors, load_hf
+
+# Two sequences of three response tokens; the second one's last token is padding.
+MASK = torch.tensor([[1., 1., 1.], [1., 1., 0.]])
+ADV = torch.tensor([1.0, -1.0])
 
 
 def probe_argv(experiment, *extra):
@@ -33,8 +42,8 @@ def test_offline_probe_with_the_fixes_rows(engine, warm_dir, monkeypatch):
     assert set(paired) == set(rows)
     assert paired[("bf16", "bf16")]["ratio"] == pytest.approx(1.0)
     assert paired[("fp16", "fp16")]["ci95"][1] < 1 and paired[("fp32", "fp32")]["ratio"] < 0.01
-    lo, hi = paired[("bf16+head32", "bf16+head32")]["ci95"]
-    assert lo <= paired[("bf16+head32", "bf16+head32")]["ratio"] <= hi
+    # the fp32 LM head leaves the body's 16-bit rounding: far more mismatch than fp32 on both sides
+    assert paired[("bf16+head32", "bf16+head32")]["ci95"][0] > 10 * paired[("fp32", "fp32")]["ratio"]
     self_rows = {r["engine"]: r for r in result["self_rows"]}
     assert set(self_rows) == set(probe.ENGINES) and self_rows["fp32"]["mismatch_logp_abs_mean"] < 1e-6
     for name in ("bf16", "fp16"):
@@ -58,13 +67,21 @@ def test_offline_probe_with_the_fixes_rows(engine, warm_dir, monkeypatch):
     assert e.value.code == 2
 
 
-def test_heldout_reads_any_policy_with_one_fp32_engine(engine, warm_dir):
-    """The same policy read twice gives the same figure (the sampling is seeded); its s.e. is over
-    problems, and with every sample wrong or right it is 0."""
+def test_heldout_is_the_fp32_engines_count_of_right_answers(engine, warm_dir, varied_reward):
+    """probe.py heldout's accuracy and s.e. equal a count by hand: the warm start's weights in the fp32
+    engine, the same seeded samples, the (varied) reward per sample, the s.e. over problems (ddof 1)."""
     a = probe.main(["heldout", "--samples", "2"], engine)
-    b = probe.main(["heldout", "--samples", "2"], engine)
-    assert a["accuracy"] == b["accuracy"] and a["problems"] == 32 and a["samples_per_problem"] == 2
-    assert 0 <= a["accuracy"] <= 1 and (a["se"] > 0) == (0 < a["accuracy"] < 1)
+    args = probe.get_args(["heldout"])
+    ckpt = a["checkpoint"]
+    llm = engine("float32")
+    rollout.sync_weights(llm, hf_named_tensors(load_hf(ckpt)), torch.float32)
+    problems = task.make_splits(0, args.n_items, task.N_EVAL)[0]
+    torch.manual_seed(task.seed_of("heldout", 0))
+    samples = rollout.generate(llm, [task.prompt_ids(p) for p, _ in problems], 2, args.max_new_tokens, task.EOS_ID)
+    right = np.array([task.reward(s.response_ids, None) for s in samples]).reshape(len(problems), 2).mean(1)
+    assert 0 < right.mean() < 1  # the parity reward varies: the s.e. is not trivially 0
+    assert a["accuracy"] == right.mean() and a["problems"] == 32 and a["samples_per_problem"] == 2
+    assert a["se"] == pytest.approx(right.std(ddof=1) / math.sqrt(len(problems)))
 
 
 def test_fp16_backward_loses_gradient_to_underflow_without_loss_scaling(engine, varied_reward):
@@ -81,10 +98,71 @@ def test_fp16_backward_loses_gradient_to_underflow_without_loss_scaling(engine, 
     assert not rows[("fp16", 2.0 ** 24)]["finite"] and rows[("bf16", 1.0)]["finite"]
 
 
-def test_t_quantile_against_the_table():
-    """Student's t 0.975 quantile: the table to 10 degrees of freedom, Cornish-Fisher beyond (R's qt)."""
-    assert probe.t_quantile(19) == pytest.approx(2.093, abs=1e-3) and probe.t_quantile(11) == pytest.approx(2.201, abs=3e-3)
-    assert probe.t_quantile(2) == 4.303
+@pytest.mark.parametrize("dof", [1, 2, 4, 7, 10, 11, 19, 40, 200])
+def test_t_quantile_has_97_5_percent_below_it(dof):
+    """Student's t density integrated numerically up to the quantile: 0.975, table or Cornish-Fisher."""
+    q = probe.t_quantile(dof)
+    t = np.linspace(0, q, 200001)
+    log_c = math.lgamma((dof + 1) / 2) - math.lgamma(dof / 2) - 0.5 * math.log(dof * math.pi)
+    density = np.exp(log_c - (dof + 1) / 2 * np.log1p(t ** 2 / dof))
+    assert 0.5 + np.trapezoid(density, t) == pytest.approx(0.975, abs=2e-4)
+
+
+def test_audit_bias_gradient_equals_the_direct_formula():
+    """d = grad J - grad J_IS = grad of sum_i (1 - w_i) A_i sum_t log pi / N, w_i = prod_t pi / mu."""
+    logp = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.4, 0.4, 0.9]])).requires_grad_()
+    mu = logp.detach() - torch.tensor([[1.5, 1.0, 1.0], [0.5, 1.0, 3.0]]).log()  # pi / mu per token
+    J, J_bias, w = probe.audit_losses(logp, logp.detach(), mu, ADV, MASK, MASK.sum())
+    assert torch.allclose(w, torch.tensor([1.5, 0.5]))  # the padding token's 3.0 is not counted
+    g = torch.autograd.grad(J, logp, retain_graph=True)[0]
+    d = torch.autograd.grad(J_bias, logp)[0]
+    assert torch.allclose(d, torch.tensor([[-0.5, -0.5, -0.5], [-0.5, -0.5, 0.]]) / 5)
+    g_is = torch.autograd.grad(((w * ADV) * (logp * MASK).sum(1)).sum() / 5, logp)[0]
+    assert torch.allclose(g - g_is, d)
+
+
+def test_bias_statistics_by_hand():
+    """Pairwise (U-statistic) estimates from Gram matrices: unbiased where |mean d|^2 is not, and the
+    cross term E d . E g uses d and g of different batches only."""
+    d = torch.tensor([[1., 0.], [3., 0.], [0., 2.], [0., -2.]], dtype=torch.float64)  # K = 4 batches, 2 weights
+    g = torch.tensor([[1., 1.], [1., -1.], [2., 0.], [0., 2.]], dtype=torch.float64)
+    s = probe.bias_statistics(d @ d.T, g @ g.T, d @ g.T)
+    pairs = [(j, k) for j in range(4) for k in range(4) if j != k]
+    assert s["b2"] == pytest.approx(sum((d[j] @ d[k]).item() for j, k in pairs) / 12)
+    assert s["b_dot_eg"] == pytest.approx(sum((d[j] @ g[k]).item() for j, k in pairs) / 12)
+    assert s["sigma2"] == pytest.approx(((g - g.mean(0)) ** 2).sum().item() / 3)
+    # noise along b: each batch's g against the other three batches' summed d, e.g. batch 2: d_0 + d_1 + d_3
+    # = (4, -2), g_2 . (4, -2) / sqrt 20 = 8 / sqrt 20; then the variance (ddof 1) over the four batches
+    along = [1.0, 1.0, 8 / math.sqrt(20), 4 / math.sqrt(20)]
+    assert s["noise_along_b"] == pytest.approx(torch.tensor(along).var().item())
+    relabelled = torch.tensor([2, 0, 3, 1])  # the same batches in another order: the same figure
+    s2 = probe.bias_statistics(*((x[relabelled] @ y[relabelled].T) for x, y in ((d, d), (g, g), (d, g))))
+    assert s2["noise_along_b"] == pytest.approx(s["noise_along_b"])
+
+
+def test_jackknife_interval_by_hand():
+    """The interval of sigma2 (tr Cov g), recomputed from the vectors themselves: sigma2 with each batch
+    left out, the jackknife s.e. sqrt((K-1)/K sum (x_i - mean)^2), and t(K-1) either side."""
+    gen = torch.Generator().manual_seed(0)
+    d, g = (torch.randn(6, 3, generator=gen, dtype=torch.float64) for _ in range(2))
+    out = probe.jackknife(d @ d.T, g @ g.T, d @ g.T)
+    tr_cov = lambda x: ((x - x.mean(0)) ** 2).sum().item() / (len(x) - 1)  # noqa: E731
+    leave = np.array([tr_cov(g[torch.arange(6) != i]) for i in range(6)])
+    se = math.sqrt(5 / 6 * ((leave - leave.mean()) ** 2).sum())
+    assert out["sigma2"] == pytest.approx(tr_cov(g))
+    assert out["sigma2_ci"] == pytest.approx((tr_cov(g) - probe.t_quantile(5) * se, tr_cov(g) + probe.t_quantile(5) * se))
+
+
+def test_audit_measures_bias_where_the_mismatch_is(engine, varied_reward):
+    """The real audit on the tiny warm start: the sequence weights pi / mu stray from 1 by bf16's
+    rounding, far less by fp16's, not at all in fp32; fp32's bias is unresolved or negligible."""
+    result = probe.main(probe_argv("audit", "--batches", "5", "--batch-size", "8"), engine)
+    rows = {r["dtype"]: r for r in result["rows"]}
+    assert all(r["sigma2"] > 0 and r["batches"] == 5 for r in rows.values())
+    dev = {k: r["seq_weight_abs_dev"] for k, r in rows.items()}
+    assert dev["bf16"] > dev["fp16"] > 100 * dev["fp32"], dev
+    assert rows["bf16"]["mismatch_logp_abs_mean"] > rows["fp16"]["mismatch_logp_abs_mean"]
+    assert not rows["fp32"]["resolved"] or rows["fp32"]["bias_norm"] < 1e-4 * math.sqrt(rows["fp32"]["sigma2"])
 
 
 def test_campaign_runs_once_skips_what_is_done_and_resumes(warm_dir, tmp_path):
@@ -94,11 +172,11 @@ def test_campaign_runs_once_skips_what_is_done_and_resumes(warm_dir, tmp_path):
     import subprocess
     import sys
     from conftest import ROOT, tiny_args
-    import train_grpo
+    import warm_start
     from experiments import campaign
-    from precision import machine
+    from instruments import machine
     args = tiny_args(warm_dir, "--out", os.path.join(warm_dir, "campaign-source"))
-    init = train_grpo.warm_start(train_grpo.model_config(args.n_items, args.max_new_tokens), args.n_items, 0, "cpu")
+    init = warm_start.warm_start(warm_start.model_config(args.n_items, args.max_new_tokens), args.n_items, 0, "cpu")
     cmd = [sys.executable, "experiments/campaign.py", "--plan", "smoke", "--seeds", "0", "--samples", "1",
            "--runs", str(tmp_path / "runs"), "--results", str(tmp_path / "results"),
            "--", "--steps", "2", "--batch-size", "4", "--group-size", "4", "--init", init]

@@ -1,5 +1,5 @@
-"""The hand-written GRPO loss and its normalisers, the mini-batch step, the GradScaler update, the warm
-start and a few real RL steps."""
+"""grpo.py's hand-written loss and normalisers, the mini-batch step and the GradScaler update (against
+hand-computed values), the warm start, and a few real RL steps."""
 import itertools
 import json
 import math
@@ -9,12 +9,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import grpo
+import instruments
+import task
 import train_grpo
+import warm_start
 from conftest import rl, tiny_args
 from experiments import plot
-from model import GPT, GPTConfig, token_logprobs
-from precision import get_precision, mismatch_metrics
-from train_grpo import Batch, group_advantages, grpo_loss, loss_norm, loss_stats, optimizer_step
+from grpo import Batch, group_advantages, grpo_loss, loss_norm, optimizer_step
+from instruments import loss as loss_stats
+from model import GPT, GPTConfig, load_hf, pack, token_logprobs
+from precision import get_precision
 
 # Two sequences of three response tokens; the second one's last token is padding.
 MASK = torch.tensor([[1., 1., 1.], [1., 1., 0.]])
@@ -28,7 +33,7 @@ def rows_of(mu, adv, mask):
 def loss_of(logp, old, mu, adv, mask, algorithm="grpo", cap=None, bypass=False, dr_grpo=False, budget=None):
     """(loss, parts) of grpo_loss, with the algorithm's own cap unless one is given."""
     norm = loss_norm(mask, algorithm, dr_grpo, budget)
-    cap = train_grpo.CAPS.get(algorithm) if cap is None else cap
+    cap = grpo.CAPS.get(algorithm) if cap is None else cap
     return grpo_loss(logp, old, rows_of(mu, adv, mask), norm, algorithm, cap, bypass)
 
 
@@ -66,7 +71,7 @@ def test_leaving_out_zero_advantage_sequences_keeps_the_loss_and_gradient():
     mask, adv = torch.tensor([[1., 1., 1.], [1., 1., 0.], [1., 0., 0.]]), torch.tensor([1.0, 0.0, -2.0])
     full = old.clone().requires_grad_()
     loss_of(full, old, old, adv, mask)[0].backward()
-    keep = train_grpo.with_advantage(adv)
+    keep = adv != 0  # as grpo_step selects its rows
     norm = loss_norm(mask, "grpo", False, None)
     part = old[keep].clone().requires_grad_()
     loss = grpo_loss(part, old[keep], rows_of(old[keep], adv[keep], mask[keep]), norm[keep])[0]
@@ -95,18 +100,15 @@ def test_mis_drops_sequences_whose_weight_exceeds_the_cap():
 W_TOK = torch.tensor([[1.5, 0.5, 1.0], [1.0, 1.5, 9.0]])
 
 
-def test_bypass_ppo_ratio_is_pi_theta_over_mu_and_token_tis_is_refused(capsys):
-    """With pi_old = mu the PPO ratio already is pi_theta / mu: the correction. A further token
-    weight min(pi_theta / mu, C) would weight each token by about (pi / mu)^2 (the old defect)."""
+def test_bypass_ppo_ratio_is_pi_theta_over_mu():
+    """With pi_old = mu the PPO ratio already is pi_theta / mu: the correction (so the flags refuse a
+    further token weight, test_hardening)."""
     logp = torch.log(torch.full((2, 3), 0.3))
     mu = logp - W_TOK.log()
     loss, parts = loss_of(logp, mu, mu, ADV, MASK, bypass=True)
     # A=+1: -min(r, clip r) = -[1.2, 0.5, 1.0]; A=-1: max(r, clip r) = [1.0, 1.5] (9.0 is padding)
     assert loss.item() == pytest.approx((-1.2 - 0.5 - 1.0 + 1.0 + 1.5) / 5, abs=1e-6)
     assert torch.allclose(parts["ratio"] * MASK, W_TOK * MASK)
-    with pytest.raises(SystemExit) as e:
-        train_grpo.get_args(["--algorithm", "token-tis", "--behavior-logp", "engine"])
-    assert e.value.code == 2 and "count it twice" in capsys.readouterr().err
 
 
 def test_bypass_seq_mis_keeps_only_its_rejection_mask():
@@ -206,13 +208,13 @@ def test_a_minibatch_step_equals_the_steps_by_hand():
     twin.load_state_dict(model.state_dict())
     batch, prec = tiny_batch(), get_precision("fp32", device="cpu")
     args = SimpleNamespace(algorithm="grpo", dr_grpo=False, max_new_tokens=6, is_cap=None, behavior_logp="trainer",
-                           minibatches=2, rl_seed=3, out="-")
+                           minibatches=2, seed=3, out="-")
     with torch.no_grad():
         pi_old = token_logprobs(model, batch.idx)
     opt, scaler = torch.optim.SGD(model.parameters(), lr=0.5), prec.grad_scaler()
-    stats = train_grpo.grpo_step(model, opt, scaler, prec, batch, pi_old, args, step=5)
+    stats = grpo.grpo_step(model, opt, scaler, prec, batch, pi_old, args, 5, instruments)
 
-    order = torch.randperm(8, generator=torch.Generator().manual_seed(train_grpo.task.seed_of("minibatch", 3, 5)))
+    order = torch.randperm(8, generator=torch.Generator().manual_seed(task.seed_of("minibatch", 3, 5)))
     twin_opt = torch.optim.SGD(twin.parameters(), lr=0.5)
     for rows in (order[:4], order[4:]):
         mask, a = batch.mask[rows], batch.adv[rows, None]
@@ -220,7 +222,7 @@ def test_a_minibatch_step_equals_the_steps_by_hand():
         loss = (-torch.min(r * a, r.clamp(0.8, 1.2) * a) * mask).sum() / mask.sum()
         twin_opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(twin.parameters(), train_grpo.MAX_GRAD_NORM)
+        torch.nn.utils.clip_grad_norm_(twin.parameters(), grpo.MAX_GRAD_NORM)
         twin_opt.step()
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
@@ -229,8 +231,8 @@ def test_a_minibatch_step_equals_the_steps_by_hand():
 
 def test_minibatches_are_m_parts_even_when_m_does_not_divide_the_rows():
     """torch.chunk(4) of 6 rows gives 3 pieces; tensor_split gives 4 (2, 2, 1, 1), every row once."""
-    args = SimpleNamespace(minibatches=4, rl_seed=0)
-    parts = train_grpo.minibatch_rows(6, args, step=0)
+    args = SimpleNamespace(minibatches=4, seed=0)
+    parts = grpo.minibatch_rows(6, args, step=0)
     assert [len(p) for p in parts] == [2, 2, 1, 1]
     assert sorted(torch.cat(parts).tolist()) == list(range(6))
 
@@ -242,11 +244,11 @@ def test_statistics_over_minibatches_are_the_whole_batchs():
     model = GPT(GPTConfig(n_layer=1, n_embd=64, n_head=2, n_hidden=96))
     batch, prec = tiny_batch(), get_precision("fp32", device="cpu")
     args = SimpleNamespace(algorithm="token-tis", dr_grpo=False, max_new_tokens=6, is_cap=2.0,
-                           behavior_logp="trainer", minibatches=4, rl_seed=0, out="-")
+                           behavior_logp="trainer", minibatches=4, seed=0, out="-")
     with torch.no_grad():
         pi_old = token_logprobs(model, batch.idx)
     opt, scaler = torch.optim.SGD(model.parameters(), lr=0.1), prec.grad_scaler()
-    stats = train_grpo.grpo_step(model, opt, scaler, prec, batch, pi_old, args, step=0)
+    stats = grpo.grpo_step(model, opt, scaler, prec, batch, pi_old, args, 0, instruments)
     tokens = batch.mask.bool() & (batch.adv != 0)[:, None]
     w = torch.exp(pi_old - batch.mu_logp)[tokens]
     assert stats["is_weight_max"] == pytest.approx(w.max().item(), rel=1e-6)
@@ -272,13 +274,11 @@ def test_nonfinite_gradient_step_is_skipped_and_weights_untouched(dtype):
 
 
 def test_warm_start_lowers_loss(tmp_path):
-    import task
-    from model import load_hf
     args = tiny_args(str(tmp_path))
-    cfg = train_grpo.model_config(args.n_items, args.max_new_tokens)
-    ckpt = train_grpo.warm_start(cfg, args.n_items, 0, "cpu")
+    cfg = warm_start.model_config(args.n_items, args.max_new_tokens)
+    ckpt = warm_start.warm_start(cfg, args.n_items, 0, "cpu")
     batch = task.make_splits(0, args.n_items, 8)[1](("check",), 16)
-    idx, mask, _ = train_grpo.pack([task.prompt_ids(p) for p, _ in batch], [task.answer_ids(a) for _, a in batch], "cpu")
+    idx, mask, _ = pack([task.prompt_ids(p) for p, _ in batch], [task.answer_ids(a) for _, a in batch], "cpu")
     torch.manual_seed(0)
     with torch.no_grad():
         nll = {name: -(token_logprobs(m, idx) * mask).sum().item() / mask.sum().item() for name, m in
@@ -288,47 +288,70 @@ def test_warm_start_lowers_loss(tmp_path):
 
 def test_warm_start_is_cached_per_seed(tmp_path):
     args = tiny_args(str(tmp_path))
-    cfg = train_grpo.model_config(args.n_items, args.max_new_tokens)
-    ckpt = train_grpo.warm_start(cfg, args.n_items, 0, "cpu")
+    cfg = warm_start.model_config(args.n_items, args.max_new_tokens)
+    ckpt = warm_start.warm_start(cfg, args.n_items, 0, "cpu")
     mtime = os.path.getmtime(os.path.join(ckpt, "model.safetensors"))
-    assert train_grpo.warm_start(cfg, args.n_items, 0, "cpu") == ckpt  # reused, not retrained
+    assert warm_start.warm_start(cfg, args.n_items, 0, "cpu") == ckpt  # reused, not retrained
     assert os.path.getmtime(os.path.join(ckpt, "model.safetensors")) == mtime
-    assert train_grpo.warm_start(cfg, args.n_items, 1, "cpu") != ckpt  # the cache key covers the seed
+    assert warm_start.warm_start(cfg, args.n_items, 1, "cpu") != ckpt  # the cache key covers the seed
 
 
 KEYS = ["step", "reward_mean", "response_len_mean", "mismatch_k1", "mismatch_k3", "mismatch_prob_abs_max",
         "mismatch_prob_abs_mean", "mismatch_logp_abs_mean", "grad_norm", "loss_scale", "step_skipped",
-        "time_rollout_s", "time_logprob_s", "time_train_s", "time_sync_s", "logp_mean", "resid_rms", "hidden_rms",
-        "logit_rms", "logit_abs_max", "entropy_mean", "weight_rms"]
+        "time_rollout_s", "time_logprob_s", "time_train_s", "time_sync_s", "logp_mean"]
+INSTRUMENT_KEYS = ["resid_rms", "hidden_rms", "logit_rms", "logit_abs_max", "entropy_mean", "weight_rms",
+                   "clip_frac_pos", "clip_frac_neg", "clip_seq_frac", "ratio_dev_max"]
 
 
-def test_real_rl_steps_in_each_dtype(engine, warm_dir, varied_reward):
-    k3 = {}
+@pytest.fixture(scope="module")
+def dtype_runs(engine, warm_dir):
+    """Three real runs of three steps, one per dtype, with the experiments' instruments on (as
+    campaign.py runs them): {dtype: rows}, in one folder for plot.py."""
     exp = os.path.join(warm_dir, "exp")
     os.makedirs(exp)
-    for name, vllm_dtype in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")):
-        out = os.path.join(exp, f"grpo-{name}-s0")
-        train_grpo.train(tiny_args(warm_dir, "--dtype", name, *rl(3), "--out", out), llm=engine(vllm_dtype))
-        rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    runs = {}
+    with pytest.MonkeyPatch.context() as mp:  # varied_reward, for a module-scoped fixture
+        mp.setattr(task, "reward", lambda ids, answer: float(bool(ids) and ids[0] % 2 == 0))
+        for name, vllm_dtype in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")):
+            out = os.path.join(exp, f"grpo-{name}-s0")
+            args = tiny_args(warm_dir, "--dtype", name, *rl(3), "--out", out)
+            train_grpo.train(args, llm=engine(vllm_dtype), instruments=instruments, record={"machine": instruments.machine()})
+            runs[name] = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+            assert os.path.isfile(os.path.join(out, "hf", "model.safetensors"))
+    return exp, runs
+
+
+def test_real_rl_steps_in_each_dtype_order_their_mismatch(dtype_runs):
+    _, runs = dtype_runs
+    for name, rows in runs.items():
         assert [r["step"] for r in rows] == [0, 1, 2]
         for r in rows:
-            for k in KEYS:
+            for k in KEYS + INSTRUMENT_KEYS:
                 assert k in r and math.isfinite(float(r[k])), (name, k)
             assert r["grad_norm"] > 0
         assert "eval_accuracy_before" in rows[0] and "eval_accuracy" in rows[2]
-        for r in rows:  # the shift-share identity: mean |d| = sum over buckets of share x mean
+    k3 = {name: sum(r["mismatch_k3"] for r in rows) / len(rows) for name, rows in runs.items()}
+    assert k3["fp32"] * 100 <= k3["bf16"], k3
+    assert k3["bf16"] > k3["fp16"] > 0, k3
+
+
+def test_pi_buckets_add_up_to_the_mean_mismatch(dtype_runs):
+    """The shift-share identity: mean |d| = sum over buckets of share x mean, in every row."""
+    for rows in dtype_runs[1].values():
+        for r in rows:
             shares, sizes = r["pi_bucket_frac"], r["pi_bucket_logp_abs_mean"]
             assert sum(shares) == pytest.approx(1.0)
             total = sum(f * s for f, s in zip(shares, sizes) if s is not None)
             assert total == pytest.approx(r["mismatch_logp_abs_mean"], rel=1e-9)
-        assert os.path.isfile(os.path.join(out, "hf", "model.safetensors"))
-        k3[name] = sum(r["mismatch_k3"] for r in rows) / len(rows)
-    assert k3["fp32"] * 100 <= k3["bf16"], k3
-    assert k3["bf16"] > k3["fp16"] > 0, k3
-    # plot.py draws these real runs, reading each variant from args.json (one seed each: no s.e.)
+
+
+def test_plot_draws_real_runs(dtype_runs, warm_dir):
+    """plot.py reads each run's variant from args.json (one seed each: no s.e.)."""
+    exp, runs = dtype_runs
     plot.main(["experiment", exp, "--out", os.path.join(warm_dir, "exp.png")])
     drawn = json.load(open(os.path.join(warm_dir, "exp.json")))["arms"]["grpo"]
-    assert sorted(drawn) == ["bf16", "fp16", "fp32"] and len(drawn["fp16"]["curves"]["reward_mean"]["x"]) == 3
+    assert sorted(drawn) == ["bf16", "fp16", "fp32"]
+    assert drawn["fp16"]["curves"]["reward_mean"]["mean"] == [r["reward_mean"] for r in runs["fp16"]]
     assert open(os.path.join(warm_dir, "exp.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
@@ -345,7 +368,7 @@ def test_paired_differences_by_hand():
     assert d["ci95"][0] < 0.01 < d["ci95"][1]
 
 
-def test_metrics_lines_are_strict_json_and_k3_is_accurate_at_float32s_floor(tmp_path):
+def test_metrics_lines_are_strict_json(tmp_path):
     rec = {"step": 3, "grad_norm": float("inf"), "loss": float("nan"), "reward_mean": 0.5, "mismatch_k3": 0.0,
            "loss_scale": 1.0, "step_skipped": True, "time_step_s": 1.0}
     model = torch.nn.Linear(2, 2)
@@ -354,10 +377,6 @@ def test_metrics_lines_are_strict_json_and_k3_is_accurate_at_float32s_floor(tmp_
     assert json.loads(open(tmp_path / "metrics.jsonl").read()) == {**rec, "grad_norm": None, "loss": None,
                                                                    "nonfinite": ["grad_norm", "loss"]}
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["step"] == 4  # the next step to take
-    d = torch.tensor([[1e-8, -2e-8, 3e-9]], dtype=torch.float64)  # log mu - log pi, an fp32 run's size
-    k3 = mismatch_metrics(d.float().double(), torch.zeros_like(d), torch.ones_like(d))["mismatch_k3"]
-    # r - 1 - log r = d^2 / 2 + O(d^3): every term positive, none lost to rounding
-    assert k3 > 0 and k3 == pytest.approx((d.float().double() ** 2 / 2).mean().item(), rel=1e-6)
 
 
 def test_engine_behavior_logp_makes_the_ratio_pi_over_mu(engine, warm_dir, varied_reward):
@@ -367,7 +386,7 @@ def test_engine_behavior_logp_makes_the_ratio_pi_over_mu(engine, warm_dir, varie
     for name, vllm_dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
         out = os.path.join(warm_dir, f"engine-{name}")
         args = tiny_args(warm_dir, "--dtype", name, *rl(2), "--behavior-logp", "engine", "--algorithm", "gspo", "--out", out)
-        train_grpo.train(args, llm=engine(vllm_dtype))
+        train_grpo.train(args, llm=engine(vllm_dtype), instruments=instruments)
         rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
         assert all(math.isfinite(r["mismatch_k3"]) and "clip_frac_pos" in r for r in rows)
         dev[name] = rows[0]["ratio_dev_max"]
@@ -381,7 +400,8 @@ def test_paper_recipe_and_fixes_run_end_to_end(engine, warm_dir, varied_reward):
                        (["--engine-dtype", "fp32"], engine("float32")),
                        (["--lm-head", "fp32"], engine("bfloat16", True))):
         out = os.path.join(warm_dir, "recipe-" + "-".join(x.strip("-") for x in extra))
-        train_grpo.train(tiny_args(warm_dir, "--dtype", "bf16", *rl(2), *extra, "--out", out), llm=llm)
+        train_grpo.train(tiny_args(warm_dir, "--dtype", "bf16", *rl(2), *extra, "--out", out), llm=llm,
+                         instruments=instruments)
         rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
         assert len(rows) == 2 and all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows), extra
         if "--minibatches" in extra:

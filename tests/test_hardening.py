@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import train_grpo
+import warm_start
 from conftest import ROOT, rl, tiny_args
 from experiments import plot, probe
 from model import load_hf, save_hf
@@ -21,8 +22,7 @@ from model import load_hf, save_hf
     (["--dtype", "fp8"], "--dtype"), (["--dtype", "float16"], "--dtype"), (["--steps", "0"], "--steps"),
     (["--lr", "abc"], "--lr"), (["--lr", "-1e-3"], "--lr"), (["--lr", "nan"], "--lr"), (["--batch-size", "x"], "--batch-size"),
     (["--group-size", "1"], "--group-size"), (["--n-embd", "120"], "--n-embd"), (["--n-layer", "-2"], "--n-layer"),
-    (["--init", "/nonexistent"], "/nonexistent"), (["--out", "/proc/cannot/write"], "/proc/cannot/write"),
-    (["--resume", "--out", "/tmp/no-such-run"], "--resume"), (["--lm-head", "fp8"], "--lm-head"),
+    (["--init", "/nonexistent"], "/nonexistent"), (["--resume", "--out", "/tmp/no-such-run"], "--resume"), (["--lm-head", "fp8"], "--lm-head"),
     (["--engine-dtype", "int8"], "--engine-dtype"), (["--minibatches", "100000"], "--minibatches"),
     (["--max-skips", "3"], "--max-skips"),  # a named constant now, no longer a flag
     (["--dr-grpo", "--algorithm", "gspo"], "--dr-grpo"),
@@ -32,6 +32,7 @@ from model import load_hf, save_hf
     (["--trainer-kernels", "engine", "--dtype", "bf16", "--lm-head", "fp32"], "--trainer-kernels"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, flag, capsys):
+    """Refused while parsing, which has no side effects: nothing is written, no engine starts."""
     with pytest.raises(SystemExit) as e:
         train_grpo.get_args(argv)
     assert e.value.code == 2
@@ -40,7 +41,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, flag, capsys):
 
 
 @pytest.mark.parametrize("argv, flag", [
-    (["histogram"], "experiment"), (["audit"], "experiment"), (["mismatch", "--lr", "1"], "--lr"),
+    (["histogram"], "experiment"), (["mismatch", "--lr", "1"], "--lr"), (["audit", "--batches", "4"], "--batches"),
     (["scaler", "--json", "/proc/cannot/x.json"], "/proc/cannot"), (["heldout", "--init", "/nonexistent"], "--init"),
     (["heldout", "--samples", "0"], "--samples"),
 ])
@@ -69,20 +70,26 @@ def test_an_existing_run_is_never_overwritten(tmp_path, capsys):
     assert (out / "metrics.jsonl").read_text() == '{"step": 0}\n' and sorted(os.listdir(out)) == ["metrics.jsonl"]
 
 
-def test_a_damaged_checkpoint_is_named_in_one_line(tmp_path, capsys):
+def test_a_damaged_checkpoint_is_named_in_one_line_before_any_work(tmp_path, capsys):
+    """train() opens the run folder first: a checkpoint that does not load is refused before a warm
+    start, an engine or a write (llm=None: reaching the engine would start one)."""
     out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 0}\n')
     (out / "checkpoint.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(SystemExit) as e:
-        train_grpo.get_args(["--out", str(out), "--resume"])
+        train_grpo.train(train_grpo.get_args(["--out", str(out), "--resume"]))
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and str(out / "checkpoint.pt") in err, err
+    assert sorted(os.listdir(out)) == ["checkpoint.pt", "metrics.jsonl"]  # nothing written
 
 
-def test_bad_input_from_the_command_line():
-    r = subprocess.run([sys.executable, "train_grpo.py", "--group-size", "1"], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()] and "--group-size" in r.stderr
+def test_an_unwritable_out_from_the_command_line_is_one_line_and_exit_2():
+    """The whole path a user takes: `python train_grpo.py`, refused in one line on stderr, no traceback."""
+    r = subprocess.run([sys.executable, "train_grpo.py", "--out", "/proc/cannot/write"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
+    assert "/proc/cannot/write" in r.stderr and not r.stdout
 
 
 def rows(out):
@@ -93,40 +100,17 @@ def without_timings(rs):
     return [{k: v for k, v in r.items() if not k.startswith(("time_", "rollout_tokens"))} for r in rs]
 
 
-def test_ctrl_c_then_resume_matches_an_uninterrupted_run(engine, warm_dir, varied_reward, monkeypatch):
-    """Ctrl-C simply ends the process (no handler); the checkpoint of the last finished step is on disk,
-    and --resume redoes exactly what an uninterrupted run does: every field but the timings equal."""
-    llm, real_lr = engine("float32"), train_grpo.learning_rate
-    whole, part = os.path.join(warm_dir, "resume-whole"), os.path.join(warm_dir, "resume-part")
-    train_grpo.train(tiny_args(warm_dir, "--dtype", "fp32", "--out", whole, *rl()), llm=llm)
-
-    def interrupted(args, step):
-        if step == 2:
-            raise KeyboardInterrupt
-        return real_lr(args, step)
-    monkeypatch.setattr(train_grpo, "learning_rate", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        train_grpo.train(tiny_args(warm_dir, "--dtype", "fp32", "--out", part, *rl()), llm=llm)
-    monkeypatch.setattr(train_grpo, "learning_rate", real_lr)
-    assert [r["step"] for r in rows(part)] == [0, 1]
-    train_grpo.train(tiny_args(warm_dir, "--dtype", "fp32", "--out", part, *rl(), "--resume"), llm=llm)
-    a, b = rows(whole), rows(part)
-    assert [r["step"] for r in b] == [0, 1, 2, 3]  # appended, no step duplicated
-    assert all(r["grad_norm"] > 0 for r in a)  # the weights really moved, so optimizer state mattered
-    assert without_timings(a) == without_timings(b)
-
-
-DRIVER = ("import sys, train_grpo; train_grpo.task.reward = lambda ids, answer: float(bool(ids) and ids[0] % 2 == 0); "
+DRIVER = ("import sys, task, train_grpo; task.reward = lambda ids, answer: float(bool(ids) and ids[0] % 2 == 0); "
           "train_grpo.train(train_grpo.get_args(sys.argv[1:]))")
 
 
 def test_a_run_killed_at_a_random_moment_then_resumed_ends_as_an_uninterrupted_one(warm_dir):
-    """SIGKILL (no handler can run) at a random moment after the first checkpoint, then --resume: the
-    resumed run really starts mid-run (it says at which step), and the metrics equal an uninterrupted
-    run's in every field but the timings. Both in fresh processes, each with its own engine; the
+    """SIGKILL (no handler can run; Ctrl-C ends a run the same way) at a random moment after the first
+    checkpoint, then --resume: the resumed run really starts mid-run (it says at which step), no step
+    is duplicated, and the metrics equal an uninterrupted run's in every field but the timings. Both in fresh processes, each with its own engine; the
     reward is the varied one, so every step moves the weights."""
     args = tiny_args(warm_dir, "--out", os.path.join(warm_dir, "ckpt-source"))
-    init = train_grpo.warm_start(train_grpo.model_config(args.n_items, args.max_new_tokens), args.n_items, 0, "cpu")
+    init = warm_start.warm_start(warm_start.model_config(args.n_items, args.max_new_tokens), args.n_items, 0, "cpu")
     steps = 12
     flags = ["--dtype", "fp32", "--init", init, *rl(steps)]
     whole, killed = os.path.join(warm_dir, "kill-whole"), os.path.join(warm_dir, "kill-resumed")
@@ -149,7 +133,7 @@ def test_a_run_killed_at_a_random_moment_then_resumed_ends_as_an_uninterrupted_o
 
 def test_nonfinite_logprob_stops_the_run_naming_step_and_quantity(engine, warm_dir, tmp_path):
     args = tiny_args(warm_dir, "--dtype", "fp32", "--out", str(tmp_path / "src"))
-    model = load_hf(train_grpo.warm_start(train_grpo.model_config(args.n_items, args.max_new_tokens), args.n_items, 0, "cpu"))
+    model = load_hf(warm_start.warm_start(warm_start.model_config(args.n_items, args.max_new_tokens), args.n_items, 0, "cpu"))
     with torch.no_grad():
         model.norm.weight[0] = float("nan")  # poisons every logit
     save_hf(model, str(tmp_path / "poisoned"))

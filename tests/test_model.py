@@ -6,8 +6,8 @@ import rollout
 import task
 from model import GPT, GPTConfig, hf_named_tensors, load_hf, save_hf, token_logprobs
 from precision import TensorCoreMatmuls, autocast, get_precision
-from test_rollout import PROMPTS
-from train_grpo import pack
+from conftest import PROMPTS
+from model import pack
 
 NAME = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 

@@ -5,9 +5,9 @@ import rollout
 import task
 from model import hf_named_tensors, load_hf, token_logprobs
 from precision import get_precision
-from train_grpo import pack
+from model import pack
 
-PROMPTS = [task.prompt_ids(f"sort {','.join(str((i * 7 + j) % 10) for j in range(12))}=") for i in range(8)]
+from conftest import PROMPTS
 
 
 def engine_vs_trainer(llm, model, prec, n=4, max_tokens=32, seed=0):

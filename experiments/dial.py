@@ -1,0 +1,187 @@
+"""
+experiments/dial.py: the mismatch dial. A controlled mismatch on top of the trainer that has none.
+
+    python experiments/dial.py calibrate --json results/MACHINE/dial.json   # the unit, per chip
+
+The bf16 trainer on the engine's kernels (--trainer-kernels engine) computes exactly the
+engine's log-probs: mismatch 0. The dial adds noise to the engine's logits inside vLLM, with a
+logits processor, and asks vLLM for the processed log-probs (logprobs_mode
+"processed_logprobs"): the engine samples from the perturbed distribution mu and returns
+log mu, the distribution it actually sampled from. The trainer never sees the noise. So a run
+at dose D differs from the run at dose 0 in the mismatch alone: same weights, same kernels.
+
+Why a logits processor and not perturbed weights: the noise is then exactly the mismatch (no
+second path through the network), its size is set directly, and vLLM's CPU engine runs it.
+
+Two shapes, each a std for every vocabulary entry's logit, fresh Gaussian noise at every
+position (drawn from torch's generator, which train_grpo.rollout seeds every step):
+  uniform  the same std for every entry;
+  bf16     the std of an entry scaled by the chip's measured bf16 mismatch in its bucket of
+           pi (instruments.PI_EDGES): larger where pi is small, as bf16's is.
+At dose 0 nothing is installed: the engine is exactly the aligned run's.
+
+The unit of dose is the practitioners': the mean |log mu - log pi| per sampled token on the
+warm start. 1x is the chip's plain bf16 (engine and trainer both bf16, no aligned kernels);
+`calibrate` measures it, and for each shape how the std maps onto it.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]  # the core, and this folder, from anywhere
+from vllm.v1.sample.logits_processor import LogitsProcessor  # noqa: E402
+
+import task  # noqa: E402
+from instruments import PI_EDGES, machine, pi_buckets  # noqa: E402
+from model import hf_named_tensors, load_hf, pack, token_logprobs, write_atomic  # noqa: E402
+from precision import get_precision, mismatch_metrics  # noqa: E402
+from rollout import generate, start_engine, sync_weights  # noqa: E402
+from warm_start import model_config, warm_start  # noqa: E402
+
+SHAPES = ("uniform", "bf16")
+SIGMAS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)  # the calibration grid of logit stds
+# What the processor reads: set by configure() before the engine samples (one process).
+DIAL = {"sigma": 0.0, "shape": "uniform", "profile": None}
+
+
+class DialProcessor(LogitsProcessor):
+    """Adds the dial's noise to every row of the engine's float32 logits, before sampling."""
+
+    def __init__(self, vllm_config, device, is_pin_memory):
+        pass
+
+    def is_argmax_invariant(self):
+        return False  # it changes which token is likeliest
+
+    def update_state(self, batch_update):
+        pass  # stateless: every row, every position the same rule
+
+    def apply(self, logits):
+        if DIAL["sigma"] == 0.0:
+            return logits
+        std = torch.full_like(logits, DIAL["sigma"])
+        if DIAL["shape"] == "bf16":  # the std of each entry by its bucket of pi
+            std = std * bucket_scale(logits.softmax(-1), DIAL["profile"])
+        return logits + std * torch.randn(logits.shape, dtype=logits.dtype)
+
+
+def bucket_scale(probs, profile):
+    """Each entry's scale: the profile's value in its bucket of pi (PI_EDGES, the last holds 1)."""
+    edges = torch.tensor(PI_EDGES[1:-1], dtype=probs.dtype)
+    return torch.tensor(profile, dtype=probs.dtype)[torch.bucketize(probs, edges, right=True)]
+
+
+def configure(sigma, shape="uniform", profile=None):
+    if shape not in SHAPES:
+        raise ValueError(f"dial shape {shape!r}: one of {SHAPES}")
+    DIAL.update(sigma=float(sigma), shape=shape, profile=profile)
+
+
+def engine_args(sigma):
+    """start_engine's extra arguments: the processor and processed log-probs, or none at 0."""
+    if sigma == 0:
+        return {}
+    return {"logits_processors": [DialProcessor], "logprobs_mode": "processed_logprobs"}
+
+
+def sigma_for(calibration, shape, dose):
+    """The logit std that gives `dose` x the chip's bf16 mismatch on the warm start:
+    log-log interpolation of the calibration grid (mean |d| grows with the std)."""
+    if dose == 0:
+        return 0.0
+    target = dose * calibration["unit"]
+    grid = np.array(calibration["grid"][shape])  # rows: sigma, mean |d|
+    s, m = np.log(grid[:, 0]), np.log(grid[:, 1])
+    if not m[0] <= math.log(target) <= m[-1]:
+        raise ValueError(f"dose {dose} ({target:.2e} a token) is outside {shape}'s calibrated "
+                         f"range {grid[0, 1]:.2e} to {grid[-1, 1]:.2e}")
+    return float(np.exp(np.interp(math.log(target), m, s)))
+
+
+def dial_run_args(calibration_path, shape, dose):
+    """(start_engine's extra arguments, args.json's record) for a run at `dose`."""
+    calibration = json.load(open(calibration_path))
+    sigma = sigma_for(calibration, shape, dose)
+    configure(sigma, shape, calibration["profile"])
+    record = {"dial_dose": dose, "dial_shape": shape, "dial_sigma": sigma,
+              "dial_target_logp_abs_mean": dose * calibration["unit"],
+              "dial_calibration": calibration_path}
+    return engine_args(sigma), record
+
+
+def measure(llm, model, prompts, args, trainer):
+    """Mean |log mu - log pi| per sampled token: the engine's samples of the held-out prompts,
+    pi by `trainer` (a Precision) on the same tokens; also by bucket of pi."""
+    torch.manual_seed(task.seed_of("dial", args.seed))
+    samples = generate(llm, prompts, args.group_size, args.max_new_tokens, task.EOS_ID)
+    columns = [[getattr(s, k) for s in samples] for k in ("prompt_ids", "response_ids")]
+    idx, mask, mu = pack(*columns, "cpu", [s.logprobs for s in samples])
+    with torch.no_grad():
+        pi = token_logprobs(trainer.forward(model), idx)
+    return {**mismatch_metrics(mu, pi, mask), **pi_buckets(mu, pi, mask)}
+
+
+def calibrate(args):
+    """On the warm start: the unit (plain bf16's mean |d|, its bucket profile), fp16's for
+    reference, and for each shape the mean |d| at each logit std of SIGMAS, the trainer on the
+    engine's kernels (which alone sees no mismatch)."""
+    device = "cpu"
+    cfg = model_config(args.n_items, args.max_new_tokens)
+    ckpt = warm_start(cfg, args.n_items, args.seed, device)
+    model = load_hf(ckpt).eval()
+    prompts = [task.prompt_ids(p) for p, _ in task.make_splits(args.seed, args.n_items, task.N_EVAL)[0]]
+    llm = {}
+    for name in ("fp16", "bf16"):  # the plain runs' mismatch, as the chip makes it
+        llm[name] = start_engine(ckpt, get_precision(name).vllm_dtype, args.seed, cfg.max_seq_len)
+        sync_weights(llm[name], hf_named_tensors(model), get_precision(name).engine_dtype)
+    plain = {n: measure(llm[n], model, prompts, args, get_precision(n, device=device)) for n in llm}
+    unit = plain["bf16"]["mismatch_logp_abs_mean"]
+    sizes = [s if s is not None else 0.0 for s in plain["bf16"]["pi_bucket_logp_abs_mean"]]
+    profile = [s / unit for s in sizes]  # bf16's mismatch by bucket of pi, over its mean
+    # One more bf16 engine with the processor: DIAL decides what it does, call by call.
+    dialed = start_engine(ckpt, "bfloat16", args.seed, cfg.max_seq_len, **engine_args(1.0))
+    aligned = get_precision("bf16", device=device, kernels="engine")
+    grid = {}
+    for shape in SHAPES:
+        grid[shape] = []
+        for sigma in SIGMAS:
+            configure(sigma, shape, profile)
+            m = measure(dialed, model, prompts, args, aligned)["mismatch_logp_abs_mean"]
+            grid[shape].append([sigma, m])
+            print(f"{shape:8} sigma {sigma:7.0e}: mean |log mu - log pi| {m:.3e} = {m / unit:7.2f}x", flush=True)
+    configure(0.0)
+    result = {"experiment": "dial-calibration", "checkpoint": ckpt, "machine": machine(),
+              "seed": args.seed, "unit": unit, "unit_is": "plain bf16's mean |log mu - log pi|",
+              "fp16": plain["fp16"]["mismatch_logp_abs_mean"], "profile": profile,
+              "pi_edges": list(PI_EDGES), "plain": plain, "grid": grid}
+    print(f"unit (bf16) {unit:.3e}; fp16 {result['fp16']:.3e} = {result['fp16'] / unit:.3f}x; "
+          f"bf16's profile by bucket of pi {[round(x, 2) for x in profile]}")
+    return result
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="the mismatch dial: calibrate it on this chip")
+    p.error = lambda message: p.exit(2, f"error: {message}\n")  # one line, exit 2
+    p.add_argument("command", choices=["calibrate"])
+    p.add_argument("--seed", type=int, default=0, help="the warm start and the samples")
+    p.add_argument("--n-items", type=int, default=12)
+    p.add_argument("--group-size", type=int, default=8, help="samples of each held-out prompt")
+    p.add_argument("--json", required=True, help="where the calibration goes")
+    args = p.parse_args(argv)
+    args.max_new_tokens = 2 * args.n_items + 8
+    if not os.access(os.path.dirname(os.path.abspath(args.json)) or ".", os.W_OK):
+        p.error(f"--json {args.json}: its folder does not exist or cannot be written")
+    result = calibrate(args)
+    write_atomic(args.json, json.dumps(result, indent=1))
+    print(f"written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
