@@ -50,7 +50,6 @@ SIGMAS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)  # the calibration grid of lo
 # What the processor reads: set by configure() before the engine samples (one process).
 DIAL = {"sigma": 0.0, "shape": "uniform", "profile": None}
 
-
 class DialProcessor(LogitsProcessor):
     """Adds the dial's noise to every row of the engine's float32 logits, before sampling."""
 
@@ -71,25 +70,21 @@ class DialProcessor(LogitsProcessor):
             std = std * bucket_scale(logits.softmax(-1), DIAL["profile"])
         return logits + std * torch.randn(logits.shape, dtype=logits.dtype)
 
-
 def bucket_scale(probs, profile):
     """Each entry's scale: the profile's value in its bucket of pi (PI_EDGES, the last holds 1)."""
     edges = torch.tensor(PI_EDGES[1:-1], dtype=probs.dtype)
     return torch.tensor(profile, dtype=probs.dtype)[torch.bucketize(probs, edges, right=True)]
-
 
 def configure(sigma, shape="uniform", profile=None):
     if shape not in SHAPES:
         raise ValueError(f"dial shape {shape!r}: one of {SHAPES}")
     DIAL.update(sigma=float(sigma), shape=shape, profile=profile)
 
-
 def engine_args(sigma):
     """start_engine's extra arguments: the processor and processed log-probs, or none at 0."""
     if sigma == 0:
         return {}
     return {"logits_processors": [DialProcessor], "logprobs_mode": "processed_logprobs"}
-
 
 def sigma_for(calibration, shape, dose):
     """The logit std that gives `dose` x the chip's bf16 mismatch on the warm start:
@@ -100,21 +95,25 @@ def sigma_for(calibration, shape, dose):
     grid = np.array(calibration["grid"][shape])  # rows: sigma, mean |d|
     s, m = np.log(grid[:, 0]), np.log(grid[:, 1])
     if not m[0] <= math.log(target) <= m[-1]:
-        raise ValueError(f"dose {dose} ({target:.2e} a token) is outside {shape}'s calibrated "
-                         f"range {grid[0, 1]:.2e} to {grid[-1, 1]:.2e}")
+        raise ValueError(
+            f"dose {dose} ({target:.2e} a token) is outside {shape}'s calibrated "
+            f"range {grid[0, 1]:.2e} to {grid[-1, 1]:.2e}"
+        )
     return float(np.exp(np.interp(math.log(target), m, s)))
-
 
 def dial_run_args(calibration_path, shape, dose):
     """(start_engine's extra arguments, args.json's record) for a run at `dose`."""
     calibration = json.load(open(calibration_path))
     sigma = sigma_for(calibration, shape, dose)
     configure(sigma, shape, calibration["profile"])
-    record = {"dial_dose": dose, "dial_shape": shape, "dial_sigma": sigma,
-              "dial_target_logp_abs_mean": dose * calibration["unit"],
-              "dial_calibration": calibration_path}
+    record = {
+        "dial_dose": dose,
+        "dial_shape": shape,
+        "dial_sigma": sigma,
+        "dial_target_logp_abs_mean": dose * calibration["unit"],
+        "dial_calibration": calibration_path,
+    }
     return engine_args(sigma), record
-
 
 def measure(llm, model, prompts, args, trainer):
     """Mean |log mu - log pi| per sampled token: the engine's samples of the held-out prompts,
@@ -127,7 +126,6 @@ def measure(llm, model, prompts, args, trainer):
         pi = token_logprobs(trainer.forward(model), idx)
     return {**mismatch_metrics(mu, pi, mask), **pi_buckets(mu, pi, mask)}
 
-
 def calibrate(args):
     """On the warm start: the unit (plain bf16's mean |d|, its bucket profile), fp16's for
     reference, and for each shape the mean |d| at each logit std of SIGMAS, the trainer on the
@@ -136,12 +134,18 @@ def calibrate(args):
     cfg = model_config(args.n_items, args.max_new_tokens)
     ckpt = warm_start(cfg, args.n_items, args.seed, device)
     model = load_hf(ckpt).eval()
-    prompts = [task.prompt_ids(p) for p, _ in task.make_splits(args.seed, args.n_items, task.N_EVAL)[0]]
+    prompts = [
+        task.prompt_ids(p) for p, _ in task.make_splits(args.seed, args.n_items, task.N_EVAL)[0]
+    ]
     llm = {}
     for name in ("fp16", "bf16"):  # the plain runs' mismatch, as the chip makes it
-        llm[name] = start_engine(ckpt, get_precision(name).vllm_dtype, args.seed, cfg.max_seq_len)
+        llm[name] = start_engine(
+            ckpt, get_precision(name).vllm_dtype, args.seed, cfg.max_seq_len
+        )
         sync_weights(llm[name], hf_named_tensors(model), get_precision(name).engine_dtype)
-    plain = {n: measure(llm[n], model, prompts, args, get_precision(n, device=device)) for n in llm}
+    plain = {
+        n: measure(llm[n], model, prompts, args, get_precision(n, device=device)) for n in llm
+    }
     unit = plain["bf16"]["mismatch_logp_abs_mean"]
     sizes = [s if s is not None else 0.0 for s in plain["bf16"]["pi_bucket_logp_abs_mean"]]
     profile = [s / unit for s in sizes]  # bf16's mismatch by bucket of pi, over its mean
@@ -155,16 +159,29 @@ def calibrate(args):
             configure(sigma, shape, profile)
             m = measure(dialed, model, prompts, args, aligned)["mismatch_logp_abs_mean"]
             grid[shape].append([sigma, m])
-            print(f"{shape:8} sigma {sigma:7.0e}: mean |log mu - log pi| {m:.3e} = {m / unit:7.2f}x", flush=True)
+            print(
+                f"{shape:8} sigma {sigma:7.0e}: mean |log mu - log pi| {m:.3e} = {m / unit:7.2f}x",
+                flush=True,
+            )
     configure(0.0)
-    result = {"experiment": "dial-calibration", "checkpoint": ckpt, "machine": machine(),
-              "seed": args.seed, "unit": unit, "unit_is": "plain bf16's mean |log mu - log pi|",
-              "fp16": plain["fp16"]["mismatch_logp_abs_mean"], "profile": profile,
-              "pi_edges": list(PI_EDGES), "plain": plain, "grid": grid}
-    print(f"unit (bf16) {unit:.3e}; fp16 {result['fp16']:.3e} = {result['fp16'] / unit:.3f}x; "
-          f"bf16's profile by bucket of pi {[round(x, 2) for x in profile]}")
+    result = {
+        "experiment": "dial-calibration",
+        "checkpoint": ckpt,
+        "machine": machine(),
+        "seed": args.seed,
+        "unit": unit,
+        "unit_is": "plain bf16's mean |log mu - log pi|",
+        "fp16": plain["fp16"]["mismatch_logp_abs_mean"],
+        "profile": profile,
+        "pi_edges": list(PI_EDGES),
+        "plain": plain,
+        "grid": grid,
+    }
+    print(
+        f"unit (bf16) {unit:.3e}; fp16 {result['fp16']:.3e} = {result['fp16'] / unit:.3f}x; "
+        f"bf16's profile by bucket of pi {[round(x, 2) for x in profile]}"
+    )
     return result
-
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="the mismatch dial: calibrate it on this chip")
@@ -181,7 +198,6 @@ def main(argv=None):
     result = calibrate(args)
     write_atomic(args.json, json.dumps(result, indent=1))
     print(f"written to {args.json}")
-
 
 if __name__ == "__main__":
     main()

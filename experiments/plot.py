@@ -114,7 +114,8 @@ def paired(
 
 def load_experiment(folder):
     """{arm: {variant: [(seed, rows, {the fp32 held-out accuracy, growth's figures})]}} of every
-    finished run, and the machine of its runs (one group: pairs across machines are not pairs)."""
+    finished run, and the machine of its runs (one group: pairs across machines are not pairs).
+    """
     runs, machines = {}, set()
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
