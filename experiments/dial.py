@@ -46,7 +46,7 @@ from rollout import generate, start_engine, sync_weights  # noqa: E402
 from warm_start import model_config, warm_start  # noqa: E402
 
 SHAPES = ("uniform", "bf16")
-SIGMAS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)  # the calibration grid of logit stds
+SIGMAS = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 0.5, 1.0, 2.0)  # the grid of logit stds
 # What the processor reads: set by configure() before the engine samples (one process).
 DIAL = {"sigma": 0.0, "shape": "uniform", "profile": None}
 
