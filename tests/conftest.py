@@ -74,4 +74,9 @@ def varied_reward(monkeypatch):
     """The tiny warm start solves nothing, so every reward, advantage and gradient would be 0 and no
     weight would move. Reward the parity of the first sampled token instead: it varies within a
     group, so the RL steps really update the model (and its optimizer state)."""
-    monkeypatch.setattr(task, "reward", lambda ids, answer: float(bool(ids) and ids[0] % 2 == 0))
+    monkeypatch.setattr(task, "reward", parity_reward)
+
+
+def parity_reward(ids, answer):
+    """1 when the first sampled token is even: varies within a group whatever the model knows."""
+    return float(bool(ids) and ids[0] % 2 == 0)

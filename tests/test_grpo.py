@@ -14,7 +14,7 @@ import instruments
 import task
 import train_grpo
 import warm_start
-from conftest import rl, tiny_args
+from conftest import parity_reward, rl, tiny_args
 from experiments import plot
 from grpo import Batch, group_advantages, grpo_loss, loss_norm, optimizer_step
 from instruments import loss as loss_stats
@@ -311,7 +311,7 @@ def dtype_runs(engine, warm_dir):
     os.makedirs(exp)
     runs = {}
     with pytest.MonkeyPatch.context() as mp:  # varied_reward, for a module-scoped fixture
-        mp.setattr(task, "reward", lambda ids, answer: float(bool(ids) and ids[0] % 2 == 0))
+        mp.setattr(task, "reward", parity_reward)
         for name, vllm_dtype in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")):
             out = os.path.join(exp, f"grpo-{name}-s0")
             args = tiny_args(warm_dir, "--dtype", name, *rl(3), "--out", out)

@@ -100,7 +100,8 @@ def without_timings(rs):
     return [{k: v for k, v in r.items() if not k.startswith(("time_", "rollout_tokens"))} for r in rs]
 
 
-DRIVER = ("import sys, task, train_grpo; task.reward = lambda ids, answer: float(bool(ids) and ids[0] % 2 == 0); "
+DRIVER = ("import sys, task, train_grpo; sys.path.insert(0, 'tests'); from conftest import parity_reward; "
+          "task.reward = parity_reward; "
           "train_grpo.train(train_grpo.get_args(sys.argv[1:]))")
 
 
