@@ -5,18 +5,22 @@ drawn.
     python experiments/plot.py experiment results/MACHINE --out figures/campaign.png  # RL over seeds, paired
     python experiments/plot.py growth results/MACHINE --out figures/growth.png        # why the mismatch grows
     python experiments/plot.py fixes figures/probe.json figures/campaign.json --out figures/fixes.json
+    python experiments/plot.py dial results/MACHINE --out figures/dial.png            # the mismatch dial
 
 experiment: the run folders ARM-VARIANT-sSEED experiments/campaign.py leaves; per arm and
 variant n, mean and s.e. (ddof 1) over seeds of the last-10 reward and the fp32 engine's
 held-out accuracy, each paired by seed against bf16 (95 % t interval, exact sign-flip p),
 printed as the README's Markdown table. growth: the same runs, why the mismatch grows. fixes:
-the fixes side by side, offline and in RL. The numbers drawn go to a JSON beside the PNG."""
+the fixes side by side, offline and in RL. dial: held-out accuracy and reward against the dial's
+dose (campaign.py --plan dial), paired against dose 0, the audit's prediction beside them, and
+the practitioner's table. The numbers drawn go to a JSON beside the PNG."""
 
 import argparse
 import itertools
 import json
 import math
 import os
+import re
 import sys
 
 import matplotlib
@@ -571,15 +575,290 @@ def fixes(args):
     write_atomic(args.out, json.dumps({"fixes": table, "machine": result["machine"]}, indent=1))
     print(f"written {args.out}")
 
+# ---------------------------------------------------------------------------------------------------
+# The mismatch dial (dial.py, campaign.py --plan dial): how much mismatch RL tolerates
+
+DOSE0 = 0.01  # where dose 0 sits on the log axis, in units of the chip's bf16 (it has no log)
+LOSSES = (0.01, 0.05)  # the held-out losses the practitioner's table finds the dose of
+CHIPS = {  # results/ folder: a short name for the marks
+    "amd-epyc-avx2": "AMD Zen 3 (AVX2)",
+    "amd-epyc-avx2-avx512f-avx512-bf16": "AMD Zen 4/5 (AVX-512-BF16)",
+    "intel-xeon-processor-2-80ghz-avx2-avx512f": "Intel Xeon (AVX-512F)",
+    "intel-xeon-processor-avx2-avx512f-avx512-bf16-avx512-fp16-amx-tile-amx-bf16": "Intel Xeon (AMX)",
+}
+# For orientation only, other models and tasks: per-token |log mu - log pi| (nats), as converted
+# in experiments/README.md section 9. (label, low, high)
+PUBLISHED = [
+    ("Qwen2.5-0.5B bf16 (Fast-LLM #525)", 3.0e-2, 3.0e-2),
+    ("Qwen2.5-0.5B fp16 (Fast-LLM #525)", 4.2e-3, 4.2e-3),
+    ("Qwen3-0.6B bf16 vs fp32 (HF phantom clipping)", 1e-2, 1e-1),
+]
+
+def chip_marks(results):
+    """Each chip's plain bf16 and fp16 mismatch on the warm start: step 0 of its runs of those
+    variants (the warm start's policy, the engine's own samples), the mean over runs."""
+    marks = {}
+    for group in sorted(os.listdir(results)):
+        folder, found = os.path.join(results, group), {"bf16": [], "fp16": []}
+        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+            path = os.path.join(folder, name, "args.json")
+            v = variant(json.load(open(path))) if os.path.isfile(path) else None
+            if v in found:
+                first = json.loads(open(os.path.join(folder, name, "metrics.jsonl")).readline())
+                found[v].append(first["mismatch_logp_abs_mean"])
+        if all(found.values()):
+            marks[CHIPS.get(group, group)] = {
+                k: {"n": len(x), "mean": float(np.mean(x))} for k, x in found.items()
+            }
+    return marks
+
+def dose_cells(runs):
+    """{shape: {arm: {dose: (seeds, held-out, last-10 reward, the run's mean mismatch)}}}."""
+    cells = {}
+    for arm, by_variant in runs.items():
+        for v, seeds in by_variant.items():
+            m = re.fullmatch(r"bf16-aligned(?:-dial(\d+)-(\w+))?", v)
+            if not m:
+                continue
+            dose, shapes = (int(m[1]), [m[2]]) if m[1] else (0, ["uniform", "bf16"])
+            seeds = sorted(seeds, key=lambda s: s[0])
+            cell = {
+                "seeds": [s for s, _, _ in seeds],
+                "heldout": [x["heldout"] for _, _, x in seeds],
+                "reward_last10": [
+                    float(np.mean([r["reward_mean"] for r in rows[-10:]]))
+                    for _, rows, _ in seeds
+                ],
+                "mismatch": [
+                    float(np.mean([r["mismatch_logp_abs_mean"] for r in rows]))
+                    for _, rows, _ in seeds
+                ],
+            }
+            for shape in shapes:  # dose 0 is both shapes' control: the aligned run itself
+                cells.setdefault(shape, {}).setdefault(arm, {})[dose] = cell
+    return {  # the arms with a dose beyond 0 in that shape
+        shape: {arm: by_dose for arm, by_dose in arms.items() if len(by_dose) > 1}
+        for shape, arms in cells.items()
+        if any(len(by_dose) > 1 for by_dose in arms.values())
+    }
+
+def crossing(doses, values, level):
+    """The first dose where `values` falls to `level` or below, log-linear between doses."""
+    for i, (d, v) in enumerate(zip(doses, values)):
+        if v <= level:
+            if i == 0:
+                return d
+            d0, v0 = doses[i - 1], values[i - 1]
+            t = (v0 - level) / (v0 - v)
+            return float(np.exp(np.log(max(d0, DOSE0)) * (1 - t) + np.log(d) * t))
+    return None
+
+def tolerance(by_dose, key):
+    """The practitioner's row of one arm: its paired differences against dose 0, the largest dose
+    with no measurable loss (every dose up to it: the 95 % interval's upper end >= 0), and the
+    dose at each loss in LOSSES, with an interval: where the interval's lower end, then its
+    upper end, reach the loss (pointwise, log-linear between doses; None: not reached)."""
+    base = by_dose.get(0)
+    doses, diffs = [], {}
+    for dose in sorted(d for d in by_dose if d):
+        common = [s for s in by_dose[dose]["seeds"] if base and s in base["seeds"]]
+        if len(common) < 2:
+            continue
+        pick_ = lambda c: [c[key][c["seeds"].index(s)] for s in common]  # noqa: E731
+        diffs[dose] = paired(pick_(by_dose[dose]), pick_(base))
+        doses.append(dose)
+    safe = 0
+    for dose in doses:
+        if diffs[dose]["ci95"][1] < 0:
+            break
+        safe = dose
+    row = {"paired": {str(d): diffs[d] for d in doses}, "largest_dose_no_loss": safe}
+    curve = lambda f: [0.0] + [
+        f(diffs[d]) for d in doses
+    ]  # dose 0 against itself: 0  # noqa: E731
+    for loss in LOSSES:
+        at = lambda f: crossing([0, *doses], curve(f), -loss)  # noqa: E731
+        row[f"dose_at_loss_{loss}"] = {
+            "estimate": at(lambda x: x["mean"]),
+            "ci95": [at(lambda x: x["ci95"][0]), at(lambda x: x["ci95"][1])],
+        }
+    return row
+
+def dial_figure(args):
+    """dial: held-out accuracy and last-10 reward against the dose, per arm and shape, mean +- s.e.
+    and paired against dose 0; beside them the audit's prediction (probe.py audit --dial-doses, if
+    its JSON is in the folder); every chip's bf16 and fp16 and the published figures marked."""
+    runs, where = load_experiment(args.path)
+    calibration = load_json(os.path.join(args.path, "dial.json"), "dial.py calibrate")
+    unit, cells = calibration["unit"], dose_cells(runs)
+    if not cells:
+        refuse(f"{args.path} holds no dial run (campaign.py --plan dial) beside its dose 0")
+    x = lambda dose: max(dose, DOSE0) * unit  # noqa: E731
+    out = {"machine": where, "unit": unit, "chips": chip_marks(os.path.dirname(args.path))}
+    out["published"], out["shapes"] = PUBLISHED, {}
+    columns = [
+        ("heldout", "held-out accuracy", False),
+        ("heldout", "held-out, minus dose 0 (95 % CI)", True),
+        ("reward_last10", "last-10 reward", False),
+        ("reward_last10", "last-10 reward, minus dose 0 (95 % CI)", True),
+    ]
+    shapes = [s for s in ("uniform", "bf16") if s in cells]
+    fig, axes = plt.subplots(len(shapes), 6, figsize=(25, 4.2 * len(shapes)), squeeze=False)
+    for row, shape in enumerate(shapes):
+        table = out["shapes"][shape] = {"arms": {}}
+        for k, (arm, by_dose) in enumerate(sorted(cells[shape].items())):
+            doses = sorted(by_dose)
+            entry = table["arms"][arm] = {
+                "doses": doses,
+                "cells": {str(d): by_dose[d] for d in doses},
+                **{key: tolerance(by_dose, key) for key in ("heldout", "reward_last10")},
+            }
+            color, shift = f"C{k}", 1.04**k  # arms side by side at a dose
+            for col, (key, label, vs0) in enumerate(columns):
+                ax = axes[row, col]
+                if vs0:
+                    ds = [int(d) for d in entry[key]["paired"]]
+                    diff = [entry[key]["paired"][str(d)] for d in ds]
+                    y = np.array([d["mean"] for d in diff])
+                    err = np.abs(np.array([d["ci95"] for d in diff]).T - y)
+                    ax.axhline(0, color="k", lw=0.6)
+                else:
+                    ds = doses
+                    stats = [mean_se([v for v in by_dose[d][key] if v is not None]) for d in ds]
+                    y, err = np.array([m for m, _ in stats]), [se or 0 for _, se in stats]
+                n = min(len(by_dose[d]["seeds"]) for d in doses)
+                ax.errorbar(
+                    [x(d) * shift for d in ds],
+                    y,
+                    yerr=err,
+                    fmt="o-",
+                    ms=4,
+                    capsize=3,
+                    color=color,
+                    label=f"{arm} (n>={n})",
+                )
+                ax.set_title(f"{shape} noise: {label}", fontsize=9)
+        audit = load(os.path.join(args.path, f"dial-audit-{shape}.json"))
+        ax = axes[row, 4]
+        if audit:  # the prediction, committed before the runs
+            rows = audit["rows"]
+            y = np.array([r["bias_over_noise"] for r in rows])
+            ci = np.array([r.get("bias_over_noise_ci", (v, v)) for r, v in zip(rows, y)]).T
+            ax.errorbar(
+                [x(r["dial_dose"]) for r in rows],
+                y,
+                yerr=np.abs(ci - y),
+                fmt="s-",
+                color="k",
+                capsize=3,
+                label="audit: |bias| / one step's noise",
+            )
+            signal = [r["bias_norm"] / r["grad_mean_norm"] for r in rows]
+            ax.plot(
+                [x(r["dial_dose"]) for r in rows],
+                signal,
+                "^-",
+                color="0.5",
+                label="audit: |bias| / |mean gradient|",
+            )
+            ax.axhline(1, color="k", lw=0.6, ls=":")
+            ax.set_yscale("symlog", linthresh=1e-2)  # dose 0's bias is exactly 0
+            table["audit"] = [
+                {
+                    k: r.get(k)
+                    for k in (
+                        "dial_dose",
+                        "bias_over_noise",
+                        "bias_over_noise_ci",
+                        "steps_upper",
+                        "cos_bias_grad",
+                        "bias_norm",
+                        "grad_mean_norm",
+                        "mismatch_logp_abs_mean",
+                    )
+                }
+                for r in rows
+            ]
+        ax.set_title(
+            f"{shape} noise: the audit's prediction (grpo, before the runs)", fontsize=9
+        )
+        for ax in axes[row, :5]:
+            ax.set_xscale("log")
+            ax.grid(alpha=0.3)
+            for i, (chip, m) in enumerate(out["chips"].items()):
+                for dtype, ls in (("bf16", "-"), ("fp16", "--")):
+                    ax.axvline(
+                        m[dtype]["mean"],
+                        color=f"C{i + 3}",
+                        ls=ls,
+                        lw=1,
+                        label=f"{chip} {dtype}",
+                    )
+            for i, (label, low, high) in enumerate(PUBLISHED):
+                label = f"other models and tasks: {label}"
+                if low == high:
+                    ax.axvline(low, color="0.4", ls=(0, (1, 1 + i)), lw=1.5, label=label)
+                else:
+                    ax.axvspan(low, high, color="0.5", alpha=0.2, lw=0, label=label)
+            ax.set_xlabel("mean |log mu - log pi| a token (dose 0 at the far left)")
+            top = ax.secondary_xaxis("top", functions=(lambda v: v / unit, lambda d: d * unit))
+            top.set_xlabel("dose (x this chip's bf16)", fontsize=8)
+    for ax in axes[:, 5]:  # the last column: the legend
+        ax.axis("off")
+    legend = {}  # label: handle, each mark once (every panel draws them)
+    for ax in axes[:, :5].flat:
+        legend.update(zip(*reversed(ax.get_legend_handles_labels())))
+    axes[0, 5].legend(list(legend.values()), list(legend), fontsize=7, loc="upper left")
+    fig.suptitle(f"The mismatch dial on the zero-mismatch trainer; {where}", fontsize=9)
+    print_tolerance(out)
+    save(fig, args.out, out)
+
+def print_tolerance(out):
+    """The practitioner's table: per shape and arm, the largest dose with no measurable loss of
+    held-out accuracy and the dose at which it loses LOSSES, each with its interval."""
+    print(
+        f"\nthe practitioner's table (held-out accuracy, paired by seed against dose 0; doses in x "
+        f"this chip's bf16 = {out['unit']:.2e} a token)\n"
+    )
+    print(
+        "| noise | arm | n | largest dose with no measurable loss | "
+        + " | ".join(f"dose at a loss of {loss} [95 % CI]" for loss in LOSSES)
+        + " |"
+    )
+    print("|---|---|---|---|" + "---|" * len(LOSSES))
+    show = lambda d: "not reached" if d is None else f"{d:.3g}x"  # noqa: E731
+    for shape, table in out["shapes"].items():
+        for arm, e in table["arms"].items():
+            cuts = [e["heldout"][f"dose_at_loss_{loss}"] for loss in LOSSES]
+            n = min(len(c["seeds"]) for c in e["cells"].values())
+            print(
+                f"| {shape} | {arm} | {n} | {e['heldout']['largest_dose_no_loss']}x | "
+                + " | ".join(
+                    f"{show(c['estimate'])} [{show(c['ci95'][0])}, {show(c['ci95'][1])}]"
+                    for c in cuts
+                )
+                + " |"
+            )
+    print("\nheld-out minus dose 0, paired by seed: mean [95 % CI] sign-flip p\n")
+    for shape, table in out["shapes"].items():
+        for arm, e in table["arms"].items():
+            cells = [
+                f"{d}x {v['mean']:+.4f} [{v['ci95'][0]:+.4f}, {v['ci95'][1]:+.4f}] "
+                f"p={v['p_sign_flip']:.3f}"
+                for d, v in e["heldout"]["paired"].items()
+            ]
+            print(f"{shape} {arm}: " + "; ".join(cells))
+    print(f"\n{out['machine']}")
+
 def main(argv=None):
     p = argparse.ArgumentParser(
-        description="the figures: experiment, growth, fixes (the module docstring)"
+        description="the figures: experiment, growth, fixes, dial (the module docstring)"
     )
     p.error = refuse
-    p.add_argument("figure", choices=["experiment", "growth", "fixes"])
+    p.add_argument("figure", choices=["experiment", "growth", "fixes", "dial"])
     p.add_argument(
         "path",
-        help="experiment, growth: a folder of runs; fixes: the JSON of `probe.py mismatch`",
+        help="experiment, growth, dial: a folder of runs; fixes: the JSON of `probe.py mismatch`",
     )
     p.add_argument(
         "experiment_json", nargs="?", help="fixes: the JSON `plot.py experiment` wrote"
@@ -593,11 +872,17 @@ def main(argv=None):
     if (args.figure == "fixes") != bool(args.experiment_json):
         refuse(
             "fixes takes two JSON files (the probe's, the experiment's); "
-            "experiment and growth take one folder"
+            "experiment, growth and dial take one folder"
         )
-    if args.figure in ("experiment", "growth") and not os.path.isdir(args.path):
+    if args.figure in ("experiment", "growth", "dial") and not os.path.isdir(args.path):
         refuse(f"{args.path} is not a folder of runs")
-    {"experiment": experiment, "growth": experiment, "fixes": fixes}[args.figure](args)
+    figures = {
+        "experiment": experiment,
+        "growth": experiment,
+        "fixes": fixes,
+        "dial": dial_figure,
+    }
+    figures[args.figure](args)
 
 if __name__ == "__main__":
     main()

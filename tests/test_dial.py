@@ -59,3 +59,56 @@ def test_the_engine_samples_from_the_distribution_it_reports(dialed, random_ckpt
     m = mismatch_metrics(mu, pi, mask)
     assert m["mismatch_logp_abs_mean"] > 0.05  # the dial is on
     assert m["mismatch_k1"] > 4 * se, (m["mismatch_k1"], se)  # drawn from mu
+
+
+HELDOUT = {  # held-out accuracy by dose and seed: dose 1 loses nothing, dose 10 about 0.025
+    0: [0.95, 0.96, 0.97],
+    1: [0.949, 0.961, 0.97],
+    10: [0.93, 0.93, 0.945],
+}
+
+
+def dial_folder(root):
+    """A results folder of dial runs as campaign.py leaves them, with hand-set outcomes."""
+    import json
+    import os
+
+    folder = os.path.join(root, "results", "chip")
+    os.makedirs(folder)
+    row = {"reward_mean": 0.9, "mismatch_logp_abs_mean": 1e-4, "pi_bucket_frac": [0.1, 0.1, 0.2, 0.3, 0.3],
+           "pi_bucket_logp_abs_mean": [1e-3, 1e-4, 1e-5, 1e-6, 0.0], "response_len_mean": 24.0,
+           "entropy_mean": 0.1, "logit_rms": 3.0}
+    machine = {"cpu": "chip", "gpu": None, "cpu_isa": ["avx2"], "torch": "t", "vllm": "v", "host": "h"}
+    for dose, accs in HELDOUT.items():
+        for seed, acc in enumerate(accs):
+            name = "grpo-bf16-aligned" + (f"-dial{dose}-uniform" if dose else "") + f"-s{seed}"
+            os.makedirs(os.path.join(folder, name))
+            args = {"dtype": "bf16", "trainer_kernels": "engine", "seed": seed, "steps": 2, "machine": machine}
+            if dose:
+                args.update(dial_dose=dose, dial_shape="uniform")
+            for f, text in (("args.json", json.dumps(args)), ("heldout.json", json.dumps({"accuracy": acc})),
+                            ("metrics.jsonl", "\n".join(json.dumps({**row, "step": s}) for s in (0, 1)))):
+                open(os.path.join(folder, name, f), "w").write(text + "\n")
+    json.dump({"unit": 4e-4}, open(os.path.join(folder, "dial.json"), "w"))
+    return folder
+
+
+def test_practitioners_table_by_hand(tmp_path, capsys):
+    """The paired differences against dose 0, the largest dose with no measurable loss, and the
+    dose at a loss of 0.01, log-linear between the doses, all as computed by hand."""
+    import json
+    import os
+
+    from experiments import plot
+
+    out = os.path.join(tmp_path, "dial.png")
+    plot.main(["dial", dial_folder(str(tmp_path)), "--out", out])
+    arm = json.load(open(out[:-4] + ".json"))["shapes"]["uniform"]["arms"]["grpo"]["heldout"]
+    d10 = [a - b for a, b in zip(HELDOUT[10], HELDOUT[0])]  # -0.02, -0.03, -0.025
+    assert arm["paired"]["10"]["mean"] == pytest.approx(sum(d10) / 3)
+    assert arm["paired"]["10"]["ci95"][1] < 0 < arm["paired"]["1"]["ci95"][1]
+    assert arm["largest_dose_no_loss"] == 1  # dose 10's interval lies below 0
+    # the mean falls from 0 (dose 1) to -0.025 (dose 10): -0.01 at 0.4 of the way, in log dose
+    assert arm["dose_at_loss_0.01"]["estimate"] == pytest.approx(10**0.4)
+    assert arm["dose_at_loss_0.05"]["estimate"] is None  # not reached
+    assert "| uniform | grpo | 3 | 1x | 2.51x" in capsys.readouterr().out
