@@ -112,3 +112,17 @@ def test_practitioners_table_by_hand(tmp_path, capsys):
     assert arm["dose_at_loss_0.01"]["estimate"] == pytest.approx(10**0.4)
     assert arm["dose_at_loss_0.05"]["estimate"] is None  # not reached
     assert "| uniform | grpo | 3 | 1x | 2.51x" in capsys.readouterr().out
+
+
+def test_the_dial_plan_runs_every_cell_once_top_dose_first():
+    """2 arms x 5 seeds x (dose 0 + 2 shapes x 5 doses), each once; the top dose pairs with 0 first."""
+    import argparse
+
+    import campaign
+
+    runs = campaign.plan_runs(argparse.Namespace(plan="dial", seeds=[0, 1, 2, 3, 4]))
+    names = [name for name, _, _ in runs]
+    assert len(names) == len(set(names)) == 2 * 5 * (1 + 2 * 5)
+    assert names[:3] == ["grpo-bf16-aligned-s0", "grpo-bf16-aligned-dial100-uniform-s0", "grpo-bf16-aligned-s1"]
+    assert dict((n, d) for n, _, d in runs)["gspo-engine-bf16-aligned-dial3-bf16-s4"] == [
+        "--dial", "3", "--dial-shape", "bf16"]
