@@ -94,16 +94,18 @@ DIAL_DOSES = (1, 3, 10, 30, 100)
 for shape in ("uniform", "bf16"):
     for dose in DIAL_DOSES:
         VARIANTS[f"bf16-aligned-dial{dose}-{shape}"] = VARIANTS["bf16-aligned"]
-# Dose by dose from the top, every seed of one before the next (a run is ~13 min on 2 cores):
+# Dose by dose from the top, every seed of one before the next (a run is ~14 min on 2 cores):
 # the top dose against dose 0 first, the contrast that answers most, paired as it lands.
+# grpo and gspo-engine in both shapes first, then the paper's recipe.
 PLANS["dial"] = [
     (
         arm,
         ["bf16-aligned"] * (shape == "uniform" and d == 100)
         + [f"bf16-aligned-dial{d}-{shape}"],
     )
+    for arms in (("grpo", "gspo-engine"), ("drgrpo-mb4",))
     for shape in ("uniform", "bf16")
-    for arm in ("grpo", "gspo-engine")
+    for arm in arms
     for d in reversed(DIAL_DOSES)
 ]
 

@@ -115,14 +115,14 @@ def test_practitioners_table_by_hand(tmp_path, capsys):
 
 
 def test_the_dial_plan_runs_every_cell_once_top_dose_first():
-    """2 arms x 5 seeds x (dose 0 + 2 shapes x 5 doses), each once; the top dose pairs with 0 first."""
+    """3 arms x 5 seeds x (dose 0 + 2 shapes x 5 doses), each once; the top dose pairs with 0 first."""
     import argparse
 
     import campaign
 
     runs = campaign.plan_runs(argparse.Namespace(plan="dial", seeds=[0, 1, 2, 3, 4]))
     names = [name for name, _, _ in runs]
-    assert len(names) == len(set(names)) == 2 * 5 * (1 + 2 * 5)
+    assert len(names) == len(set(names)) == 3 * 5 * (1 + 2 * 5)
     assert names[:3] == ["grpo-bf16-aligned-s0", "grpo-bf16-aligned-dial100-uniform-s0", "grpo-bf16-aligned-s1"]
     assert dict((n, d) for n, _, d in runs)["gspo-engine-bf16-aligned-dial3-bf16-s4"] == [
         "--dial", "3", "--dial-shape", "bf16"]
