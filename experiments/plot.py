@@ -629,10 +629,11 @@ def dose_cells(runs):
                     float(np.mean([r["reward_mean"] for r in rows[-10:]]))
                     for _, rows, _ in seeds
                 ],
-                "mismatch": [
+                "mismatch": [  # mean |log mu - log pi|, over the run's steps and at step 0
                     float(np.mean([r["mismatch_logp_abs_mean"] for r in rows]))
                     for _, rows, _ in seeds
                 ],
+                "mismatch_step0": [rows[0]["mismatch_logp_abs_mean"] for _, rows, _ in seeds],
             }
             for shape in shapes:  # dose 0 is both shapes' control: the aligned run itself
                 cells.setdefault(shape, {}).setdefault(arm, {})[dose] = cell
@@ -673,6 +674,7 @@ def tolerance(by_dose, key):
             break
         safe = dose
     row = {"paired": {str(d): diffs[d] for d in doses}, "largest_dose_no_loss": safe}
+    row["largest_dose_tested"] = doses[-1] if doses else None  # paired with dose 0 at n >= 2
     curve = lambda f: [0.0] + [
         f(diffs[d]) for d in doses
     ]  # dose 0 against itself: 0  # noqa: E731
@@ -821,34 +823,70 @@ def print_tolerance(out):
         f"this chip's bf16 = {out['unit']:.2e} a token)\n"
     )
     print(
-        "| noise | arm | n | largest dose with no measurable loss | "
+        "| noise | arm | n | doses run | largest dose with no measurable loss | "
         + " | ".join(f"dose at a loss of {loss} [95 % CI]" for loss in LOSSES)
         + " |"
     )
-    print("|---|---|---|---|" + "---|" * len(LOSSES))
-    show = lambda d: "not reached" if d is None else f"{d:.3g}x"  # noqa: E731
+    print("|---|---|---|---|---|" + "---|" * len(LOSSES))
+    show = lambda d: (
+        "not reached" if d is None else f"{d:.3g}x"
+    )  # within the doses run  # noqa: E731
     for shape, table in out["shapes"].items():
         for arm, e in table["arms"].items():
+            if e["heldout"]["largest_dose_tested"] is None:
+                continue  # no dose paired with dose 0 at two seeds yet
             cuts = [e["heldout"][f"dose_at_loss_{loss}"] for loss in LOSSES]
             n = min(len(c["seeds"]) for c in e["cells"].values())
             print(
-                f"| {shape} | {arm} | {n} | {e['heldout']['largest_dose_no_loss']}x | "
+                f"| {shape} | {arm} | {n} | up to {e['heldout']['largest_dose_tested']}x | "
+                f"{e['heldout']['largest_dose_no_loss']}x | "
                 + " | ".join(
                     f"{show(c['estimate'])} [{show(c['ci95'][0])}, {show(c['ci95'][1])}]"
                     for c in cuts
                 )
                 + " |"
             )
-    print("\nheld-out minus dose 0, paired by seed: mean [95 % CI] sign-flip p\n")
-    for shape, table in out["shapes"].items():
-        for arm, e in table["arms"].items():
-            cells = [
-                f"{d}x {v['mean']:+.4f} [{v['ci95'][0]:+.4f}, {v['ci95'][1]:+.4f}] "
-                f"p={v['p_sign_flip']:.3f}"
-                for d, v in e["heldout"]["paired"].items()
-            ]
-            print(f"{shape} {arm}: " + "; ".join(cells))
+    print_doses(out)
     print(f"\n{out['machine']}")
+
+def print_doses(out):
+    """Every cell: the mismatch it had (at step 0, the warm start's; over the run), held-out
+    accuracy and last-10 reward, each against dose 0 paired by seed [95 % CI], the sign-flip p
+    and Holm's p over the table's tests of that column."""
+    for key in ("heldout", "reward_last10"):
+        tests = [
+            d
+            for t in out["shapes"].values()
+            for e in t["arms"].values()
+            for d in e[key]["paired"].values()
+        ]
+        for d, p in zip(tests, holm([d["p_sign_flip"] for d in tests])):
+            d["p_holm"], d["tests_in_table"] = p, len(tests)
+    print(
+        "\n| noise | arm | dose | n | mismatch a token, step 0 / over the run | held-out | "
+        "minus dose 0 [95 % CI], p, Holm | last-10 reward | minus dose 0 [95 % CI], p, Holm |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for shape, t in out["shapes"].items():
+        for arm, e in t["arms"].items():
+            for dose in e["doses"]:
+                c, cells = e["cells"][str(dose)], []
+                for key in ("heldout", "reward_last10"):
+                    m, se = mean_se(c[key])
+                    d = e[key]["paired"].get(str(dose))
+                    cells.append(f"{m:.4f} +- {fmt(se, '.4f')}")
+                    cells.append(
+                        f"{d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}], "
+                        f"{d['p_sign_flip']:.3f}, {d['p_holm']:.3f}"
+                        if d
+                        else "-"
+                    )
+                size = f"{np.mean(c['mismatch_step0']):.2e} / {np.mean(c['mismatch']):.2e}"
+                print(
+                    f"| {shape} | {arm} | {dose}x | {len(c['seeds'])} | {size} | "
+                    + " | ".join(cells)
+                    + " |"
+                )
 
 def main(argv=None):
     p = argparse.ArgumentParser(
