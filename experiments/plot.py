@@ -697,6 +697,14 @@ def dial_figure(args):
         refuse(f"{args.path} holds no dial run (campaign.py --plan dial) beside its dose 0")
     x = lambda dose: max(dose, DOSE0) * unit  # noqa: E731
     out = {"machine": where, "unit": unit, "chips": chip_marks(os.path.dirname(args.path))}
+    here = CHIPS.get(os.path.basename(os.path.normpath(args.path)), "this chip")
+    out["chips"].setdefault(  # no plain runs here: the calibration measured both
+        here,
+        {
+            k: {"n": "dial.json", "mean": calibration[c]}
+            for k, c in (("bf16", "unit"), ("fp16", "fp16"))
+        },
+    )
     out["published"], out["shapes"] = PUBLISHED, {}
     columns = [
         ("heldout", "held-out accuracy", False),
@@ -786,6 +794,7 @@ def dial_figure(args):
         )
         for ax in axes[row, :5]:
             ax.set_xscale("log")
+            ax.set_xlim(DOSE0 * unit / 2, 0.2)  # dose 0 to past the published band
             ax.grid(alpha=0.3)
             for i, (chip, m) in enumerate(out["chips"].items()):
                 for dtype, ls in (("bf16", "-"), ("fp16", "--")):

@@ -89,7 +89,7 @@ def dial_folder(root):
             for f, text in (("args.json", json.dumps(args)), ("heldout.json", json.dumps({"accuracy": acc})),
                             ("metrics.jsonl", "\n".join(json.dumps({**row, "step": s}) for s in (0, 1)))):
                 open(os.path.join(folder, name, f), "w").write(text + "\n")
-    json.dump({"unit": 4e-4}, open(os.path.join(folder, "dial.json"), "w"))
+    json.dump({"unit": 4e-4, "fp16": 2e-5}, open(os.path.join(folder, "dial.json"), "w"))
     return folder
 
 
