@@ -132,6 +132,7 @@ def plan_runs(args):
     return [
         (f"{arm}-{v}-s{seed}", ["--seed", str(seed), *ARMS[arm], *VARIANTS[v]], dial_options(v))
         for arm, variants in PLANS[args.plan]
+        if arm in (args.arms or [arm])  # --arms: those arms' runs alone, in the plan's order
         for seed in args.seeds
         for v in variants
     ]
@@ -275,6 +276,7 @@ def main(argv=None):
     p.error = lambda message: p.exit(2, f"error: {message}\n")  # one line, exit 2
     p.add_argument("--plan", default="campaign", choices=list(PLANS))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    p.add_argument("--arms", nargs="+", default=None, help="only these arms of the plan")
     p.add_argument(
         "--samples",
         type=int,
@@ -314,6 +316,9 @@ def main(argv=None):
         p.error(
             f"--samples and --stop-after must be >= 1, got {args.samples} and {args.stop_after}"
         )
+    unknown = set(args.arms or []) - {arm for arm, _ in PLANS[args.plan]}
+    if unknown:
+        p.error(f"--arms: {sorted(unknown)} not in plan {args.plan}")
     if args.run:
         dial = (args.dial, args.dial_shape, args.dial_calibration) if args.dial else None
         return train_run(args.extra, args.stop_after, dial)

@@ -120,9 +120,15 @@ def test_the_dial_plan_runs_every_cell_once_top_dose_first():
 
     import campaign
 
-    runs = campaign.plan_runs(argparse.Namespace(plan="dial", seeds=[0, 1, 2, 3, 4]))
+    runs = campaign.plan_runs(argparse.Namespace(plan="dial", seeds=[0, 1, 2, 3, 4], arms=None))
     names = [name for name, _, _ in runs]
     assert len(names) == len(set(names)) == 3 * 5 * (1 + 2 * 5)
     assert names[:3] == ["grpo-bf16-aligned-s0", "grpo-bf16-aligned-dial100-uniform-s0", "grpo-bf16-aligned-s1"]
     assert dict((n, d) for n, _, d in runs)["gspo-engine-bf16-aligned-dial3-bf16-s4"] == [
         "--dial", "3", "--dial-shape", "bf16"]
+    # --arms keeps one arm's runs, in the plan's order; an arm not in the plan is refused
+    gspo = campaign.plan_runs(argparse.Namespace(plan="dial", seeds=[0, 1], arms=["gspo-engine"]))
+    assert [n for n, _, _ in gspo] == [n for n in names if n.startswith("gspo-engine-") and n[-1] in "01"]
+    with pytest.raises(SystemExit) as refused:
+        campaign.main(["--plan", "dial", "--arms", "gspo", "--list"])
+    assert refused.value.code == 2
