@@ -48,6 +48,11 @@ ARMS = {  # the flags every variant of an arm shares
     ],  # the paper's patches
     "pg-seq-is": ["--algorithm", "pg-seq-is"],
 }
+# The dial's length arms: responses of 2 x 20 tokens, not 2 x 12. 24 items' warm start reaches
+# only 0.78 held-out on the Intel Xeon with AMX (seed 0), 20 items' 0.85 (experiments/README.md 9).
+LENGTH_ITEMS = 20
+for arm in ("grpo", "gspo-engine"):
+    ARMS[f"{arm}-len{LENGTH_ITEMS}"] = [*ARMS[arm], "--n-items", str(LENGTH_ITEMS)]
 VARIANTS = {
     "fp16": ["--dtype", "fp16"],
     "bf16": ["--dtype", "bf16"],
@@ -109,6 +114,15 @@ PLANS["dial"] = [
     for d in reversed(DIAL_DOSES)
 ]
 
+# The length arms at two doses: 10x, where gspo-engine's loss passes 0.01 held-out on the Intel
+# Xeon with AMX (13x, uniform, n = 5), and 100x, the top, where vanilla GRPO would lose first.
+LENGTH_DOSES = (100, 10)
+PLANS["dial-length"] = [
+    (f"{arm}-len{LENGTH_ITEMS}", ["bf16-aligned"] * (d == 100) + [f"bf16-aligned-dial{d}-uniform"])
+    for arm in ("grpo", "gspo-engine")
+    for d in LENGTH_DOSES
+]
+
 def dial_of(variant):
     """(dose, shape) of a dial variant, or None."""
     m = re.search(r"-dial(\d+)-(\w+)$", variant)
@@ -118,8 +132,9 @@ PROBED = (
     "gspo-engine",
 )  # arms whose final policies (and each seed's warm start) probe.py also reads in bf16 and fp16
 
-def probed(name):
-    return name.startswith(tuple(f"{arm}-" for arm in PROBED)) and "-dial" not in name
+def probed(name):  # the dial's and the length arms' runs are read by held-out accuracy alone
+    arm = name.startswith(tuple(f"{arm}-" for arm in PROBED))
+    return arm and "-dial" not in name and "-len" not in name
 
 def machine_group(m):
     """results/ subfolder name: the CPU (or GPU) model and the ISA features, as a slug."""
@@ -158,6 +173,14 @@ def finished(
 def readings(name):
     return ("heldout.json", "probe.json") if probed(name) else ("heldout.json",)
 
+def heldout_command(out, flags, samples):
+    """probe.py heldout on a run's policy: its seed's problems, and its length's."""
+    items = ["--n-items", flags[flags.index("--n-items") + 1]] if "--n-items" in flags else []
+    seed = flags[flags.index("--seed") + 1]
+    policy = os.path.join(out, "hf")
+    return [sys.executable, "experiments/probe.py", "heldout", "--init", policy, "--seed", seed,
+            "--samples", str(samples), *items, "--json", os.path.join(out, "heldout.json")]
+
 def run_one(name, flags, dial_opts, args, results):
     """Train (or resume) one run, read its policy's held-out accuracy (and, in PROBED arms, its
     mismatch on identical tokens in bf16 and fp16 and per layer: probe.py mismatch --quick, the
@@ -182,19 +205,7 @@ def run_one(name, flags, dial_opts, args, results):
         out,
         *resume,
     ]
-    heldout = [
-        sys.executable,
-        "experiments/probe.py",
-        "heldout",
-        "--init",
-        os.path.join(out, "hf"),
-        "--seed",
-        flags[1],
-        "--samples",
-        str(args.samples),
-        "--json",
-        os.path.join(out, "heldout.json"),
-    ]
+    heldout = heldout_command(out, flags, args.samples)
     stopped = args.stop_after and finished(
         out, readings_too=False
     )  # a resume would go on past step N: read it

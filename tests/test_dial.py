@@ -132,3 +132,23 @@ def test_the_dial_plan_runs_every_cell_once_top_dose_first():
     with pytest.raises(SystemExit) as refused:
         campaign.main(["--plan", "dial", "--arms", "gspo", "--list"])
     assert refused.value.code == 2
+
+
+def test_the_length_plan_pairs_longer_responses_with_their_own_dose_0():
+    """2 arms x 5 seeds x (dose 0, 100x, 10x) at 20 items; read by held-out alone, on 20-item problems."""
+    import argparse
+
+    import campaign
+
+    runs = campaign.plan_runs(argparse.Namespace(plan="dial-length", seeds=[0, 1, 2, 3, 4], arms=None))
+    names = [name for name, _, _ in runs]
+    assert len(names) == len(set(names)) == 2 * 5 * 3
+    assert names[:2] == ["grpo-len20-bf16-aligned-s0", "grpo-len20-bf16-aligned-dial100-uniform-s0"]
+    flags = dict((n, f) for n, f, _ in runs)["gspo-engine-len20-bf16-aligned-dial10-uniform-s3"]
+    assert flags[flags.index("--n-items") + 1] == "20" and flags[flags.index("--seed") + 1] == "3"
+    assert flags[flags.index("--algorithm") + 1] == "gspo"
+    assert not campaign.probed("gspo-engine-len20-bf16-aligned-s0")
+    assert campaign.probed("gspo-engine-bf16-aligned-s0")  # the dial's dose 0 is section 1's run
+    heldout = campaign.heldout_command("runs/x", flags, 8)  # a 20-item policy on 20-item problems
+    assert heldout[heldout.index("--n-items") + 1] == "20" and heldout[heldout.index("--seed") + 1] == "3"
+    assert "--n-items" not in campaign.heldout_command("runs/x", ["--seed", "0"], 8)
