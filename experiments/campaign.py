@@ -118,7 +118,10 @@ PLANS["dial"] = [
 # Xeon with AMX (13x, uniform, n = 5), and 100x, the top, where vanilla GRPO would lose first.
 LENGTH_DOSES = (100, 10)
 PLANS["dial-length"] = [
-    (f"{arm}-len{LENGTH_ITEMS}", ["bf16-aligned"] * (d == 100) + [f"bf16-aligned-dial{d}-uniform"])
+    (
+        f"{arm}-len{LENGTH_ITEMS}",
+        ["bf16-aligned"] * (d == 100) + [f"bf16-aligned-dial{d}-uniform"],
+    )
     for arm in ("grpo", "gspo-engine")
     for d in LENGTH_DOSES
 ]
@@ -178,8 +181,20 @@ def heldout_command(out, flags, samples):
     items = ["--n-items", flags[flags.index("--n-items") + 1]] if "--n-items" in flags else []
     seed = flags[flags.index("--seed") + 1]
     policy = os.path.join(out, "hf")
-    return [sys.executable, "experiments/probe.py", "heldout", "--init", policy, "--seed", seed,
-            "--samples", str(samples), *items, "--json", os.path.join(out, "heldout.json")]
+    return [
+        sys.executable,
+        "experiments/probe.py",
+        "heldout",
+        "--init",
+        policy,
+        "--seed",
+        seed,
+        "--samples",
+        str(samples),
+        *items,
+        "--json",
+        os.path.join(out, "heldout.json"),
+    ]
 
 def run_one(name, flags, dial_opts, args, results):
     """Train (or resume) one run, read its policy's held-out accuracy (and, in PROBED arms, its

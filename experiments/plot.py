@@ -596,7 +596,8 @@ PUBLISHED = [
 
 def chip_marks(results):
     """Each chip's plain bf16 and fp16 mismatch on the warm start: step 0 of its runs of those
-    variants (the warm start's policy, the engine's own samples), the mean over runs."""
+    variants (the warm start's policy, the engine's own samples), the mean over runs; where a chip
+    has no such runs, its dial calibration's (dial.py calibrate: the same quantity, seed 0)."""
     marks = {}
     for group in sorted(os.listdir(results)):
         folder, found = os.path.join(results, group), {"bf16": [], "fp16": []}
@@ -606,9 +607,18 @@ def chip_marks(results):
             if v in found:
                 first = json.loads(open(os.path.join(folder, name, "metrics.jsonl")).readline())
                 found[v].append(first["mismatch_logp_abs_mean"])
+        calibration = os.path.join(folder, "dial.json")
         if all(found.values()):
             marks[CHIPS.get(group, group)] = {
                 k: {"n": len(x), "mean": float(np.mean(x))} for k, x in found.items()
+            }
+        elif os.path.isfile(
+            calibration
+        ):  # no plain runs there: its dial calibration measured both
+            c = json.load(open(calibration))
+            marks[CHIPS.get(group, group)] = {
+                k: {"n": "dial.json", "mean": c[key]}
+                for k, key in (("bf16", "unit"), ("fp16", "fp16"))
             }
     return marks
 
@@ -697,14 +707,6 @@ def dial_figure(args):
         refuse(f"{args.path} holds no dial run (campaign.py --plan dial) beside its dose 0")
     x = lambda dose: max(dose, DOSE0) * unit  # noqa: E731
     out = {"machine": where, "unit": unit, "chips": chip_marks(os.path.dirname(args.path))}
-    here = CHIPS.get(os.path.basename(os.path.normpath(args.path)), "this chip")
-    out["chips"].setdefault(  # no plain runs here: the calibration measured both
-        here,
-        {
-            k: {"n": "dial.json", "mean": calibration[c]}
-            for k, c in (("bf16", "unit"), ("fp16", "fp16"))
-        },
-    )
     out["published"], out["shapes"] = PUBLISHED, {}
     columns = [
         ("heldout", "held-out accuracy", False),
