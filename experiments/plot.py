@@ -644,6 +644,13 @@ def dose_cells(runs):
                     for _, rows, _ in seeds
                 ],
                 "mismatch_step0": [rows[0]["mismatch_logp_abs_mean"] for _, rows, _ in seeds],
+                "clip_seq_frac": [  # the share of sequences the clip silenced, over the run
+                    float(np.mean([r.get("clip_seq_frac", 0.0) for r in rows]))
+                    for _, rows, _ in seeds
+                ],
+                "clip_seq_frac_step0": [
+                    rows[0].get("clip_seq_frac", 0.0) for _, rows, _ in seeds
+                ],
             }
             for shape in shapes:  # dose 0 is both shapes' control: the aligned run itself
                 cells.setdefault(shape, {}).setdefault(arm, {})[dose] = cell
@@ -874,10 +881,11 @@ def print_doses(out):
         for d, p in zip(tests, holm([d["p_sign_flip"] for d in tests])):
             d["p_holm"], d["tests_in_table"] = p, len(tests)
     print(
-        "\n| noise | arm | dose | n | mismatch a token, step 0 / over the run | held-out | "
-        "minus dose 0 [95 % CI], p, Holm | last-10 reward | minus dose 0 [95 % CI], p, Holm |"
+        "\n| noise | arm | dose | n | mismatch a token, step 0 / over the run | clipped "
+        "sequences, step 0 / over the run | held-out | minus dose 0 [95 % CI], p, Holm | "
+        "last-10 reward | minus dose 0 [95 % CI], p, Holm |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for shape, t in out["shapes"].items():
         for arm, e in t["arms"].items():
             for dose in e["doses"]:
@@ -893,8 +901,9 @@ def print_doses(out):
                         else "-"
                     )
                 size = f"{np.mean(c['mismatch_step0']):.2e} / {np.mean(c['mismatch']):.2e}"
+                clip = f"{np.mean(c['clip_seq_frac_step0']):.3f} / {np.mean(c['clip_seq_frac']):.3f}"
                 print(
-                    f"| {shape} | {arm} | {dose}x | {len(c['seeds'])} | {size} | "
+                    f"| {shape} | {arm} | {dose}x | {len(c['seeds'])} | {size} | {clip} | "
                     + " | ".join(cells)
                     + " |"
                 )
