@@ -176,10 +176,14 @@ def finished(
 def readings(name):
     return ("heldout.json", "probe.json") if probed(name) else ("heldout.json",)
 
+def option(flags, name):
+    """The value of a train_grpo.py flag in a run's flags, or None."""
+    return flags[flags.index(name) + 1] if name in flags else None
+
 def heldout_command(out, flags, samples):
     """probe.py heldout on a run's policy: its seed's problems, and its length's."""
-    items = ["--n-items", flags[flags.index("--n-items") + 1]] if "--n-items" in flags else []
-    seed = flags[flags.index("--seed") + 1]
+    items = option(flags, "--n-items")
+    seed = option(flags, "--seed")
     policy = os.path.join(out, "hf")
     return [
         sys.executable,
@@ -191,7 +195,7 @@ def heldout_command(out, flags, samples):
         seed,
         "--samples",
         str(samples),
-        *items,
+        *(["--n-items", items] if items else []),
         "--json",
         os.path.join(out, "heldout.json"),
     ]
@@ -236,9 +240,9 @@ def run_one(name, flags, dial_opts, args, results):
             "--group-size",
             "4",
             "--seed",
-            flags[1],
+            option(flags, "--seed"),
         ]
-        warm = os.path.join(results, f"warmstart-s{flags[1]}", "probe.json")
+        warm = os.path.join(results, f"warmstart-s{option(flags, '--seed')}", "probe.json")
         steps.append(
             probe
             + ["--init", os.path.join(out, "hf"), "--json", os.path.join(out, "probe.json")]
