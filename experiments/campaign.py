@@ -47,6 +47,7 @@ ARMS = {  # the flags every variant of an arm shares
         "engine",
     ],  # the paper's patches
     "pg-seq-is": ["--algorithm", "pg-seq-is"],
+    "token-tis": ["--algorithm", "token-tis"],  # pi_old the trainer's: w_t = pi_old / mu
 }
 # The dial's length arms: responses of 2 x 20 tokens, not 2 x 12. 24 items' warm start reaches
 # only 0.78 held-out on the Intel Xeon with AMX (seed 0), 20 items' 0.85 (experiments/README.md 9).
@@ -124,6 +125,16 @@ PLANS["dial-length"] = [
     )
     for arm in ("grpo", "gspo-engine")
     for d in LENGTH_DOSES
+]
+
+# The fixes at the doses where harm shows: gspo-engine loses from 10x on the Intel Xeon with
+# AMX (section 9). First gspo with the trainer's pi_old, the ablation of the mechanism (the
+# mismatch out of the clip), then the patches; each against its own dose 0.
+PATCH_DOSES = (100, 10)
+PLANS["dial-patches"] = [
+    (arm, ["bf16-aligned"] * (d == 100) + [f"bf16-aligned-dial{d}-uniform"])
+    for arm in ("gspo", "token-tis", "seq-mis-engine", "pg-seq-is")
+    for d in PATCH_DOSES
 ]
 
 def dial_of(variant):

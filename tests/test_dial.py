@@ -152,3 +152,27 @@ def test_the_length_plan_pairs_longer_responses_with_their_own_dose_0():
     heldout = campaign.heldout_command("runs/x", flags, 8)  # a 20-item policy on 20-item problems
     assert heldout[heldout.index("--n-items") + 1] == "20" and heldout[heldout.index("--seed") + 1] == "3"
     assert "--n-items" not in campaign.heldout_command("runs/x", ["--seed", "0"], 8)
+
+
+def test_the_patches_plan_pairs_each_fix_with_its_own_dose_0():
+    """gspo's ablation and 3 patches x 5 seeds x (dose 0, 100x, 10x), uniform; gspo and token-tis keep
+    the trainer's pi_old."""
+    import argparse
+
+    import campaign
+
+    runs = campaign.plan_runs(argparse.Namespace(plan="dial-patches", seeds=[0, 1, 2, 3, 4], arms=None))
+    names = [name for name, _, _ in runs]
+    assert len(names) == len(set(names)) == 4 * 5 * 3
+    assert names[:2] == ["gspo-bf16-aligned-s0", "gspo-bf16-aligned-dial100-uniform-s0"]
+    flags = dict((n, f) for n, f, _ in runs)
+    tis = flags["token-tis-bf16-aligned-dial10-uniform-s2"]
+    assert tis[tis.index("--algorithm") + 1] == "token-tis" and "--behavior-logp" not in tis
+    mis = flags["seq-mis-engine-bf16-aligned-dial100-uniform-s4"]
+    assert mis[mis.index("--behavior-logp") + 1] == "engine"
+    assert {n.split("-bf16")[0] for n in names} == {"gspo", "token-tis", "seq-mis-engine", "pg-seq-is"}
+    assert "--behavior-logp" not in flags["gspo-bf16-aligned-dial100-uniform-s0"]
+    assert all(d == [] or d[:2] in (["--dial", "100"], ["--dial", "10"]) for _, _, d in runs)
+    import train_grpo  # every run's flags pass the trainer's own checks (token-tis with mu refused)
+
+    assert all(train_grpo.get_args(f).algorithm in {"gspo", "token-tis", "seq-mis", "pg-seq-is"} for f in flags.values())
