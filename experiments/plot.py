@@ -722,16 +722,18 @@ def dial_figure(args):
         ("reward_last10", "last-10 reward, minus dose 0 (95 % CI)", True),
     ]
     shapes = [s for s in ("uniform", "bf16") if s in cells]
+    every_arm = sorted({arm for shape in shapes for arm in cells[shape]})  # one colour an arm
     fig, axes = plt.subplots(len(shapes), 6, figsize=(25, 4.2 * len(shapes)), squeeze=False)
     for row, shape in enumerate(shapes):
         table = out["shapes"][shape] = {"arms": {}}
-        for k, (arm, by_dose) in enumerate(sorted(cells[shape].items())):
+        for arm, by_dose in sorted(cells[shape].items()):
             doses = sorted(by_dose)
             entry = table["arms"][arm] = {
                 "doses": doses,
                 "cells": {str(d): by_dose[d] for d in doses},
                 **{key: tolerance(by_dose, key) for key in ("heldout", "reward_last10")},
             }
+            k = every_arm.index(arm)  # the same colour and offset in every row
             color, shift = f"C{k}", 1.04**k  # arms side by side at a dose
             for col, (key, label, vs0) in enumerate(columns):
                 ax = axes[row, col]
