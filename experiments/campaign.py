@@ -100,42 +100,44 @@ DIAL_DOSES = (1, 3, 10, 30, 100)
 for shape in ("uniform", "bf16"):
     for dose in DIAL_DOSES:
         VARIANTS[f"bf16-aligned-dial{dose}-{shape}"] = VARIANTS["bf16-aligned"]
+
+def by_dose(arms, doses, shape="uniform"):
+    """(arm, variants) of each arm at each dose, in the order given; the first (top) dose's
+    entry carries dose 0, the aligned run itself (once: both shapes' control)."""
+    return [
+        (
+            arm,
+            ["bf16-aligned"] * (shape == "uniform" and d == doses[0])
+            + [f"bf16-aligned-dial{d}-{shape}"],
+        )
+        for arm in arms
+        for d in doses
+    ]
+
 # Dose by dose from the top, every seed of one before the next (a run is ~14 min on 2 cores):
 # the top dose against dose 0 first, the contrast that answers most, paired as it lands.
 # grpo and gspo-engine in both shapes first, then the paper's recipe.
 PLANS["dial"] = [
-    (
-        arm,
-        ["bf16-aligned"] * (shape == "uniform" and d == 100)
-        + [f"bf16-aligned-dial{d}-{shape}"],
-    )
+    entry
     for arms in (("grpo", "gspo-engine"), ("drgrpo-mb4",))
     for shape in ("uniform", "bf16")
-    for arm in arms
-    for d in reversed(DIAL_DOSES)
+    for entry in by_dose(arms, DIAL_DOSES[::-1], shape)
 ]
 
 # The length arms at two doses: 10x, where gspo-engine's loss passes 0.01 held-out on the Intel
 # Xeon with AMX (13x, uniform, n = 5), and 100x, the top, where vanilla GRPO would lose first.
 LENGTH_DOSES = (100, 10)
-PLANS["dial-length"] = [
-    (
-        f"{arm}-len{LENGTH_ITEMS}",
-        ["bf16-aligned"] * (d == 100) + [f"bf16-aligned-dial{d}-uniform"],
-    )
-    for arm in ("grpo", "gspo-engine")
-    for d in LENGTH_DOSES
-]
+PLANS["dial-length"] = by_dose(
+    [f"{a}-len{LENGTH_ITEMS}" for a in ("grpo", "gspo-engine")], LENGTH_DOSES
+)
 
 # The fixes at the doses where harm shows: gspo-engine loses from 10x on the Intel Xeon with
 # AMX (section 9). First gspo with the trainer's pi_old, the ablation of the mechanism (the
 # mismatch out of the clip), then the patches; each against its own dose 0.
 PATCH_DOSES = (100, 10)
-PLANS["dial-patches"] = [
-    (arm, ["bf16-aligned"] * (d == 100) + [f"bf16-aligned-dial{d}-uniform"])
-    for arm in ("gspo", "token-tis", "seq-mis-engine", "pg-seq-is")
-    for d in PATCH_DOSES
-]
+PLANS["dial-patches"] = by_dose(
+    ("gspo", "token-tis", "seq-mis-engine", "pg-seq-is"), PATCH_DOSES
+)
 
 def dial_of(variant):
     """(dose, shape) of a dial variant, or None."""
@@ -243,6 +245,7 @@ def run_one(name, flags, dial_opts, args, results):
     if probed(
         name
     ):  # the policy's mismatch on identical tokens in bf16 and fp16 and per layer; the warm start's once
+        seed = option(flags, "--seed")
         probe = [
             sys.executable,
             "experiments/probe.py",
@@ -251,9 +254,9 @@ def run_one(name, flags, dial_opts, args, results):
             "--group-size",
             "4",
             "--seed",
-            option(flags, "--seed"),
+            seed,
         ]
-        warm = os.path.join(results, f"warmstart-s{option(flags, '--seed')}", "probe.json")
+        warm = os.path.join(results, f"warmstart-s{seed}", "probe.json")
         steps.append(
             probe
             + ["--init", os.path.join(out, "hf"), "--json", os.path.join(out, "probe.json")]

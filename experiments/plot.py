@@ -612,9 +612,7 @@ def chip_marks(results):
             marks[CHIPS.get(group, group)] = {
                 k: {"n": len(x), "mean": float(np.mean(x))} for k, x in found.items()
             }
-        elif os.path.isfile(
-            calibration
-        ):  # no plain runs there: its dial calibration measured both
+        elif os.path.isfile(calibration):  # no plain runs there: its calibration measured both
             c = json.load(open(calibration))
             marks[CHIPS.get(group, group)] = {
                 k: {"n": "dial.json", "mean": c[key]}
