@@ -690,6 +690,7 @@ def tolerance(by_dose, key):
         safe = dose
     row = {"paired": {str(d): diffs[d] for d in doses}, "largest_dose_no_loss": safe}
     row["largest_dose_tested"] = doses[-1] if doses else None  # paired with dose 0 at n >= 2
+    row["doses_tested"] = doses  # which: a plan may skip doses (the patches run 10x and 100x)
     curve = lambda f: [0.0] + [
         f(diffs[d]) for d in doses
     ]  # dose 0 against itself: 0  # noqa: E731
@@ -809,7 +810,7 @@ def dial_figure(args):
                 for dtype, ls in (("bf16", "-"), ("fp16", "--")):
                     ax.axvline(
                         m[dtype]["mean"],
-                        color=f"C{i + 3}",
+                        color=plt.cm.Dark2(i),  # not tab10's C0-C9: those are the arms'
                         ls=ls,
                         lw=1,
                         label=f"{chip} {dtype}",
@@ -856,7 +857,7 @@ def print_tolerance(out):
             cuts = [e["heldout"][f"dose_at_loss_{loss}"] for loss in LOSSES]
             n = min(len(c["seeds"]) for c in e["cells"].values())
             print(
-                f"| {shape} | {arm} | {n} | up to {e['heldout']['largest_dose_tested']}x | "
+                f"| {shape} | {arm} | {n} | {', '.join(map(str, e['heldout']['doses_tested']))}x | "
                 f"{e['heldout']['largest_dose_no_loss']}x | "
                 + " | ".join(
                     f"{show(c['estimate'])} [{show(c['ci95'][0])}, {show(c['ci95'][1])}]"
