@@ -139,6 +139,11 @@ PLANS["dial-patches"] = by_dose(
     ("gspo", "token-tis", "seq-mis-engine", "pg-seq-is"), PATCH_DOSES
 )
 
+# The paper's recipe's tail (exploratory, section 9): one run in 25 of its bf16-shaped dial
+# (10x, seed 3) did not recover from the dip that every seed of it shows at dose 0. Ten new
+# seeds at dose 0 and that dose: --seeds 5 6 7 8 9 10 11 12 13 14.
+PLANS["dial-tail"] = [("drgrpo-mb4", ["bf16-aligned", "bf16-aligned-dial10-bf16"])]
+
 def dial_of(variant):
     """(dose, shape) of a dial variant, or None."""
     m = re.search(r"-dial(\d+)-(\w+)$", variant)

@@ -176,3 +176,19 @@ def test_the_patches_plan_pairs_each_fix_with_its_own_dose_0():
     import train_grpo  # every run's flags pass the trainer's own checks (token-tis with mu refused)
 
     assert all(train_grpo.get_args(f).algorithm in {"gspo", "token-tis", "seq-mis", "pg-seq-is"} for f in flags.values())
+
+
+def test_the_tail_plan_pairs_new_seeds_at_dose_0_and_10x_bf16_shaped():
+    """The paper's recipe at dose 0 and 10x of the bf16 shape, each new seed's pair in turn."""
+    import argparse
+
+    import campaign
+
+    runs = campaign.plan_runs(argparse.Namespace(plan="dial-tail", seeds=list(range(5, 15)), arms=None))
+    names = [name for name, _, _ in runs]
+    assert len(names) == len(set(names)) == 10 * 2
+    assert names[:2] == ["drgrpo-mb4-bf16-aligned-s5", "drgrpo-mb4-bf16-aligned-dial10-bf16-s5"]
+    assert [d for _, _, d in runs][:2] == [[], ["--dial", "10", "--dial-shape", "bf16"]]
+    flags = dict((n, f) for n, f, _ in runs)["drgrpo-mb4-bf16-aligned-dial10-bf16-s14"]
+    assert "--dr-grpo" in flags and flags[flags.index("--minibatches") + 1] == "4"
+    assert flags[flags.index("--seed") + 1] == "14"
