@@ -116,9 +116,10 @@ def paired(
         "p_sign_flip": sum(flips) / len(flips),
     }
 
-def load_experiment(folder):
+def load_experiment(folder, seeds=None):
     """{arm: {variant: [(seed, rows, {the fp32 held-out accuracy, growth's figures})]}} of every
-    finished run, and the machine of its runs (one group: pairs across machines are not pairs).
+    finished run (of those seeds alone, if given), and the machine of its runs (one group: pairs
+    across machines are not pairs).
     """
     runs, machines = {}, set()
     for name in sorted(os.listdir(folder)):
@@ -126,6 +127,8 @@ def load_experiment(folder):
         if not os.path.isfile(os.path.join(path, "args.json")):
             continue
         args = json.load(open(os.path.join(path, "args.json")))
+        if seeds is not None and args["seed"] not in seeds:
+            continue  # --seeds: a pre-registered set (the tail's new seeds, or the plan's own)
         rows = [json.loads(line) for line in open(os.path.join(path, "metrics.jsonl"))]
         if len(rows) < (args.get("stop_after") or args["steps"]):
             continue  # unfinished (campaign.py --stop-after N: a run ended after its N-th update)
@@ -254,7 +257,7 @@ GROWTH_PANELS = [
 
 def experiment(args):
     """experiment: the sanity table and the RL curves; growth (#24): why the mismatch grows, the same way."""
-    runs, where = load_experiment(args.path)
+    runs, where = load_experiment(args.path, args.seeds)
     out = {"machine": where, "arms": {}}
     panels, summary = (GROWTH_PANELS, GROWTH) if args.figure == "growth" else (PANELS, SUMMARY)
     fig, axes = plt.subplots(
@@ -706,7 +709,7 @@ def dial_figure(args):
     """dial: held-out accuracy and last-10 reward against the dose, per arm and shape, mean +- s.e.
     and paired against dose 0; beside them the audit's prediction (probe.py audit --dial-doses, if
     its JSON is in the folder); every chip's bf16 and fp16 and the published figures marked."""
-    runs, where = load_experiment(args.path)
+    runs, where = load_experiment(args.path, args.seeds)
     calibration = load_json(os.path.join(args.path, "dial.json"), "dial.py calibrate")
     unit, cells = calibration["unit"], dose_cells(runs)
     if not cells:
@@ -927,7 +930,15 @@ def main(argv=None):
         required=True,
         help="the PNG to write, its JSON beside it (fixes: the JSON, a table only)",
     )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        help="experiment, growth, dial: read these seeds' runs alone (default: every seed)",
+    )
     args = p.parse_args(argv)
+    if args.figure == "fixes" and args.seeds:
+        refuse("--seeds reads a folder of runs: experiment, growth or dial")
     if (args.figure == "fixes") != bool(args.experiment_json):
         refuse(
             "fixes takes two JSON files (the probe's, the experiment's); "

@@ -114,6 +114,25 @@ def test_practitioners_table_by_hand(tmp_path, capsys):
     assert "| uniform | grpo | 3 | 1, 10x | 1x | 2.51x" in capsys.readouterr().out
 
 
+def test_seeds_reads_those_seeds_runs_alone(tmp_path):
+    """--seeds: the cells and their pairs hold the named seeds only (the tail's new seeds are read
+    apart from the plan's); a seed with no run is refused in one line."""
+    import json
+    import os
+
+    from experiments import plot
+
+    folder, out = dial_folder(str(tmp_path)), os.path.join(tmp_path, "dial.png")
+    plot.main(["dial", folder, "--seeds", "0", "2", "--out", out])
+    arm = json.load(open(out[:-4] + ".json"))["shapes"]["uniform"]["arms"]["grpo"]
+    assert arm["cells"]["10"]["seeds"] == [0, 2]
+    d10 = [HELDOUT[10][s] - HELDOUT[0][s] for s in (0, 2)]  # -0.02, -0.025
+    assert arm["heldout"]["paired"]["10"]["mean"] == pytest.approx(sum(d10) / 2)
+    with pytest.raises(SystemExit) as stop:
+        plot.main(["dial", folder, "--seeds", "7", "--out", out])
+    assert stop.value.code == 2
+
+
 def test_the_dial_plan_runs_every_cell_once_top_dose_first():
     """3 arms x 5 seeds x (dose 0 + 2 shapes x 5 doses), each once; the top dose pairs with 0 first."""
     import argparse
