@@ -145,7 +145,8 @@ def load_experiment(folder, seeds=None):
         )
         machines.add(machine_line(args["machine"]))
     if not runs:
-        refuse(f"{folder} holds no finished run folder named ARM-VARIANT-sSEED")
+        which = f" of seeds {' '.join(map(str, seeds))}" if seeds else ""
+        refuse(f"{folder} holds no finished run folder named ARM-VARIANT-sSEED{which}")
     if len(machines) > 1:
         refuse(
             f"{folder} mixes runs of {len(machines)} machines: pairs across machines are not pairs"
