@@ -6,6 +6,7 @@ experiments/probe.py: the offline experiments. No training: fixed weights (the w
     python experiments/probe.py scaler   --json runs/scaler.json # why an fp16 trainer needs the GradScaler
     python experiments/probe.py audit    --json runs/audit.json  # GRPO's gradient bias vs noise
     python experiments/probe.py heldout  --init DIR --json F     # held-out, one fp32 engine
+    python experiments/probe.py trainer  --json F                # no engine: the trainer half, GPU vs CPU
 Every result records the machine: the 16-bit numbers are the chip's."""
 
 import argparse
@@ -407,6 +408,121 @@ def scaler(args, engine=None):
     return result
 
 # ---------------------------------------------------------------------------------------------------
+# 5. The trainer half alone: where vLLM is not (a GPU machine without it)
+
+CUDA_FLAGS = (
+    "allow_tf32",
+    "allow_fp16_reduced_precision_reduction",
+    "allow_bf16_reduced_precision_reduction",
+)  # cuBLAS's settings: what a GPU computes
+
+def trainer(args, engine=None):
+    """No engine, no sampling: the held-out problems with their right answers, teacher-forced. Each
+    trainer's log-probs of the answers against float32's on the same device, and the gradient of
+    their mean against float32's (fp16 unscaled and at INIT_SCALE); on a GPU, each trainer on the
+    tensor cores against the same trainer on this machine's CPU, where precision.py emulates them.
+    Near 0 there, next to the 16-bit error: the emulation computes what the tensor cores compute.
+    """
+    device = get_precision("fp32").device
+    cfg = model_config(args.n_items, args.max_new_tokens)
+    ckpt = args.init or warm_start(cfg, args.n_items, args.seed, device)
+    problems = task.make_splits(args.seed, args.n_items, task.N_EVAL)[0]
+    prompts = [task.prompt_ids(p) for p, _ in problems]
+    answers = [task.answer_ids(a) for _, a in problems]
+    logp, rows, grads, layers = {}, [], [], {}
+    for dev in ("cpu", "cuda") if device == "cuda" else ("cpu",):
+        model = load_hf(ckpt, dev).eval()
+        idx, mask, _ = pack(prompts, answers, dev)
+        with torch.no_grad():
+            for mode in DTYPES:
+                logp[dev, mode] = trainer_logprobs(model, mode, idx, dev).cpu()
+        layers[dev] = layer_errors(model, DTYPES[1:], idx, mask, dev)
+
+        def mean_logp(mode):  # the answers' mean log-prob: a loss whose gradient is the SFT's
+            return (trainer_logprobs(model, mode, idx, dev) * mask).sum() / mask.sum()
+
+        exact = flat_grad(model, mean_logp("fp32"))
+        for mode, scale in [("bf16", 1.0), ("fp16", 1.0), ("fp16", INIT_SCALE)]:
+            g = flat_grad(model, mean_logp(mode) * scale) / scale
+            lost = ((g == 0) & (exact != 0)).sum().item() / max(1, (exact != 0).sum().item())
+            grads.append(
+                {
+                    "device": dev,
+                    "trainer": mode,
+                    "loss_scale": scale,
+                    "weight_grad_zero": lost,
+                    "rel_error": ((g - exact).norm() / exact.norm()).item(),
+                }
+            )
+        mask = mask.cpu()
+        for mode in DTYPES[1:]:  # the 16-bit trainer (pi) against float32 (in mu's place)
+            rows.append(
+                {
+                    "device": dev,
+                    "trainer": mode,
+                    **basic_metrics(logp[dev, "fp32"], logp[dev, mode], mask),
+                }
+            )
+    cross = [
+        {"trainer": mode, **basic_metrics(logp["cpu", mode], logp["cuda", mode], mask)}
+        for mode in DTYPES
+        if device == "cuda"
+    ]  # the CPU's (mu's place) against the GPU's
+    flags = {f: getattr(torch.backends.cuda.matmul, f) for f in CUDA_FLAGS}
+    result = {
+        "experiment": "trainer",
+        "checkpoint": ckpt,
+        "machine": machine(),
+        "problems": len(problems),
+        "tokens": int(mask.sum()),
+        "cuda_matmul": flags,
+        "rows": rows,
+        "cross_rows": cross,
+        "layers": layers,
+        "grads": grads,
+    }
+    print_trainer(result)
+    return result
+
+def print_trainer(result):
+    keys = [
+        "mismatch_k3",
+        "mismatch_logp_abs_mean",
+        "mismatch_prob_abs_max",
+        "mismatch_seq_logratio_abs",
+    ]
+    head = " ".join(f"{k[9:]:>17}" for k in keys)
+    print(
+        f"\nthe trainer half on {result['checkpoint']}: {result['problems']} held-out problems' "
+        f"answers, {result['tokens']} tokens\n{machine_line(result['machine'])}\n"
+        f"\neach 16-bit trainer against float32 on the same device\n{'device':7} {'trainer':8} {head}"
+    )
+    for r in result["rows"]:
+        print(f"{r['device']:7} {r['trainer']:8} " + " ".join(f"{r[k]:>17.3e}" for k in keys))
+    if result["cross_rows"]:
+        print(
+            f"\nthe GPU against the CPU, same trainer (cuBLAS {result['cuda_matmul']})\n{'':7} "
+            f"{'trainer':8} {head}"
+        )
+    for r in result["cross_rows"]:
+        print(f"{'':7} {r['trainer']:8} " + " ".join(f"{r[k]:>17.3e}" for k in keys))
+    print(
+        f"\nwhere the error enters: RMS of (mode - fp32) over RMS of fp32, block by block, norm, logits"
+    )
+    for dev, modes in result["layers"].items():
+        for mode, errs in modes.items():
+            print(f"{dev:7} {mode:8} " + " ".join(f"{e:>9.2e}" for e in errs))
+    print(
+        f"\nthe gradient of the answers' mean log-prob against float32's\n"
+        f"{'device':7} {'trainer':8} {'scale':>9} {'weight grad 0':>14} {'rel. error':>11}"
+    )
+    for g in result["grads"]:
+        print(
+            f"{g['device']:7} {g['trainer']:8} {g['loss_scale']:>9.0f} "
+            f"{g['weight_grad_zero']:>14.2%} {g['rel_error']:>11.2e}"
+        )
+
+# ---------------------------------------------------------------------------------------------------
 # The statistics plot.py shares
 
 T975 = (
@@ -657,13 +773,13 @@ def rl_args(args):
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(
-        description="the offline experiments: mismatch, scaler, audit, heldout",
+        description="the offline experiments: mismatch, scaler, audit, heldout, trainer",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.error = lambda message: p.exit(2, f"error: {message}\n")  # one line, exit 2
     p.add_argument(
         "experiment",
-        choices=["mismatch", "scaler", "audit", "heldout"],
+        choices=["mismatch", "scaler", "audit", "heldout", "trainer"],
         help="which experiment (the docstring)",
     )
     p.add_argument(
@@ -729,9 +845,8 @@ def get_args(argv=None):
 
 def main(argv=None, engine=None):
     args = get_args(argv)
-    result = {"mismatch": mismatch, "scaler": scaler, "audit": audit, "heldout": heldout}[
-        args.experiment
-    ](args, engine)
+    experiments = dict(mismatch=mismatch, scaler=scaler, audit=audit, heldout=heldout, trainer=trainer)
+    result = experiments[args.experiment](args, engine)
     if args.json:
         write_atomic(args.json, json.dumps(result, indent=1))
         print(f"\nwritten to {args.json}")
