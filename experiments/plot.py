@@ -13,7 +13,8 @@ held-out accuracy, each paired by seed against bf16 (95 % t interval, exact sign
 printed as the README's Markdown table. growth: the same runs, why the mismatch grows. fixes:
 the fixes side by side, offline and in RL. dial: held-out accuracy and reward against the dial's
 dose (campaign.py --plan dial), paired against dose 0, the audit's prediction beside them, and
-the practitioner's table. The numbers drawn go to a JSON beside the PNG."""
+the practitioner's table (--tail L: and each cell's runs below L). The numbers drawn go to a
+JSON beside the PNG."""
 
 import argparse
 import itertools
@@ -836,7 +837,31 @@ def dial_figure(args):
     axes[0, 5].legend(list(legend.values()), list(legend), fontsize=7, loc="upper left")
     fig.suptitle(f"The mismatch dial on the zero-mismatch trainer; {where}", fontsize=9)
     print_tolerance(out)
+    if args.tail is not None:
+        print_tail(out, args.tail)
     save(fig, args.out, out)
+
+def print_tail(out, level):
+    """--tail LEVEL: per cell, each seed's held-out accuracy and how many end below LEVEL. A tail
+    (now and then a run that does not recover) is a count of such runs, where a mean is blind."""
+    out["tail"] = {"level": level, "cells": []}
+    print(f"\nheld-out accuracy by seed, and the runs below {level} (marked *)\n")
+    print(f"| noise | arm | dose | n | runs below {level} | held-out by seed |")
+    print("|---|---|---|---|---|---|")
+    for shape, t in out["shapes"].items():
+        for arm, e in t["arms"].items():
+            for dose in e["doses"]:
+                c = e["cells"][str(dose)]
+                below = [s for s, v in zip(c["seeds"], c["heldout"]) if v < level]
+                out["tail"]["cells"].append(
+                    {"shape": shape, "arm": arm, "dose": dose, "n": len(c["seeds"]),
+                     "seeds_below": below}
+                )
+                each = ", ".join(
+                    f"s{s} {v:.4f}{'*' if s in below else ''}"
+                    for s, v in zip(c["seeds"], c["heldout"])
+                )
+                print(f"| {shape} | {arm} | {dose}x | {len(c['seeds'])} | {len(below)} | {each} |")
 
 def print_tolerance(out):
     """The practitioner's table: per shape and arm, the largest dose with no measurable loss of
@@ -937,7 +962,14 @@ def main(argv=None):
         nargs="+",
         help="experiment, growth, dial: read these seeds' runs alone (default: every seed)",
     )
+    p.add_argument(
+        "--tail",
+        type=float,
+        help="dial: also count, per cell, the runs whose held-out accuracy ends below this",
+    )
     args = p.parse_args(argv)
+    if args.tail is not None and args.figure != "dial":
+        refuse("--tail counts a dial's runs below a held-out accuracy: dial only")
     if args.figure == "fixes" and args.seeds:
         refuse("--seeds reads a folder of runs: experiment, growth or dial")
     if (args.figure == "fixes") != bool(args.experiment_json):

@@ -133,6 +133,25 @@ def test_seeds_reads_those_seeds_runs_alone(tmp_path):
     assert stop.value.code == 2
 
 
+def test_tail_counts_the_runs_below_a_level_seed_by_seed(tmp_path, capsys):
+    """--tail L: per cell the seeds whose held-out accuracy ends below L (hand-set: at 0.94, dose
+    10's seeds 0 and 1, no run of doses 0 and 1), printed and in the JSON; other figures refuse it."""
+    import json
+    import os
+
+    from experiments import plot
+
+    folder, out = dial_folder(str(tmp_path)), os.path.join(tmp_path, "dial.png")
+    plot.main(["dial", folder, "--tail", "0.94", "--out", out])
+    tail = json.load(open(out[:-4] + ".json"))["tail"]
+    below = {c["dose"]: c["seeds_below"] for c in tail["cells"] if c["arm"] == "grpo"}
+    assert tail["level"] == 0.94 and below == {0: [], 1: [], 10: [0, 1]}
+    assert "| uniform | grpo | 10x | 3 | 2 | s0 0.9300*, s1 0.9300*, s2 0.9450 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        plot.main(["experiment", folder, "--tail", "0.9", "--out", out])
+    assert stop.value.code == 2
+
+
 def test_the_dial_plan_runs_every_cell_once_top_dose_first():
     """3 arms x 5 seeds x (dose 0 + 2 shapes x 5 doses), each once; the top dose pairs with 0 first."""
     import argparse
