@@ -15,9 +15,11 @@ import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]  # the core, and this folder, from anywhere
@@ -422,38 +424,27 @@ def trainer(args, engine=None):
     their mean against float32's (fp16 unscaled and at INIT_SCALE); on a GPU, each trainer on the
     tensor cores against the same trainer on this machine's CPU, where precision.py emulates them.
     Near 0 there, next to the 16-bit error: the emulation computes what the tensor cores compute.
-    """
+    --gpu-ablation swaps the GPU's kernels that may differ from the emulation's, one or both."""
     device = get_precision("fp32").device
     cfg = model_config(args.n_items, args.max_new_tokens)
     ckpt = args.init or warm_start(cfg, args.n_items, args.seed, device)
     problems = task.make_splits(args.seed, args.n_items, task.N_EVAL)[0]
     prompts = [task.prompt_ids(p) for p, _ in problems]
     answers = [task.answer_ids(a) for _, a in problems]
+    if args.gpu_ablation in ("full-reduction", "both"):  # 16-bit GEMMs reduce in float32 alone
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    math_attention = args.gpu_ablation in ("math-attention", "both")
     logp, rows, grads, layers = {}, [], [], {}
     for dev in ("cpu", "cuda") if device == "cuda" else ("cpu",):
-        model = load_hf(ckpt, dev).eval()
-        idx, mask, _ = pack(prompts, answers, dev)
-        with torch.no_grad():
-            for mode in DTYPES:
-                logp[dev, mode] = trainer_logprobs(model, mode, idx, dev).cpu()
-        layers[dev] = layer_errors(model, DTYPES[1:], idx, mask, dev)
-
-        def mean_logp(mode):  # the answers' mean log-prob: a loss whose gradient is the SFT's
-            return (trainer_logprobs(model, mode, idx, dev) * mask).sum() / mask.sum()
-
-        exact = flat_grad(model, mean_logp("fp32"))
-        for mode, scale in [("bf16", 1.0), ("fp16", 1.0), ("fp16", INIT_SCALE)]:
-            g = flat_grad(model, mean_logp(mode) * scale) / scale
-            lost = ((g == 0) & (exact != 0)).sum().item() / max(1, (exact != 0).sum().item())
-            grads.append(
-                {
-                    "device": dev,
-                    "trainer": mode,
-                    "loss_scale": scale,
-                    "weight_grad_zero": lost,
-                    "rel_error": ((g - exact).norm() / exact.norm()).item(),
-                }
-            )
+        model, (idx, mask, _) = load_hf(ckpt, dev).eval(), pack(prompts, answers, dev)
+        on_math = math_attention and dev == "cuda"  # SDPA's plain kernel: matmul, softmax, matmul
+        with sdpa_kernel(SDPBackend.MATH) if on_math else nullcontext():
+            with torch.no_grad():
+                for mode in DTYPES:
+                    logp[dev, mode] = trainer_logprobs(model, mode, idx, dev).cpu()
+            layers[dev] = layer_errors(model, DTYPES[1:], idx, mask, dev)
+            grads += gradient_errors(model, idx, mask, dev)
         mask = mask.cpu()
         for mode in DTYPES[1:]:  # the 16-bit trainer (pi) against float32 (in mu's place)
             rows.append(
@@ -476,6 +467,7 @@ def trainer(args, engine=None):
         "problems": len(problems),
         "tokens": int(mask.sum()),
         "cuda_matmul": flags,
+        "gpu_ablation": args.gpu_ablation,
         "rows": rows,
         "cross_rows": cross,
         "layers": layers,
@@ -483,6 +475,27 @@ def trainer(args, engine=None):
     }
     print_trainer(result)
     return result
+
+def gradient_errors(model, idx, mask, dev):
+    """The gradient of the answers' mean log-prob (the SFT's) from each 16-bit trainer against
+    float32's: its relative error, and the share of entries non-zero there that it stores as 0."""
+    def mean_logp(mode):
+        return (trainer_logprobs(model, mode, idx, dev) * mask).sum() / mask.sum()
+
+    exact, rows = flat_grad(model, mean_logp("fp32")), []
+    for mode, scale in [("bf16", 1.0), ("fp16", 1.0), ("fp16", INIT_SCALE)]:
+        g = flat_grad(model, mean_logp(mode) * scale) / scale
+        lost = ((g == 0) & (exact != 0)).sum().item() / max(1, (exact != 0).sum().item())
+        rows.append(
+            {
+                "device": dev,
+                "trainer": mode,
+                "loss_scale": scale,
+                "weight_grad_zero": lost,
+                "rel_error": ((g - exact).norm() / exact.norm()).item(),
+            }
+        )
+    return rows
 
 def print_trainer(result):
     keys = [
@@ -494,7 +507,8 @@ def print_trainer(result):
     head = " ".join(f"{k[9:]:>17}" for k in keys)
     print(
         f"\nthe trainer half on {result['checkpoint']}: {result['problems']} held-out problems' "
-        f"answers, {result['tokens']} tokens\n{machine_line(result['machine'])}\n"
+        f"answers, {result['tokens']} tokens, --gpu-ablation {result['gpu_ablation']}\n"
+        f"{machine_line(result['machine'])}\n"
         f"\neach 16-bit trainer against float32 on the same device\n{'device':7} {'trainer':8} {head}"
     )
     for r in result["rows"]:
@@ -830,8 +844,16 @@ def get_args(argv=None):
         action="store_true",
         help="mismatch: fp32, bf16, fp16 only, no costs (a trained policy)",
     )
+    p.add_argument(
+        "--gpu-ablation",
+        choices=["none", "full-reduction", "math-attention", "both"],
+        default="none",
+        help="trainer, on a GPU: cuBLAS's 16-bit reductions off, and/or attention on SDPA's math kernel",
+    )
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
+    if args.gpu_ablation != "none" and not (args.experiment == "trainer" and torch.cuda.is_available()):
+        p.error("--gpu-ablation: the trainer experiment, on a GPU (none here)")
     args.max_new_tokens, args.dr_grpo = 2 * args.n_items + 8, False
     try:
         read_config(args.init) if args.init else None

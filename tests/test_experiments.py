@@ -220,7 +220,8 @@ def test_quick_probe_reads_a_policy_in_bf16_and_fp16_with_layer_errors(engine, w
 def test_trainer_half_needs_no_engine_and_orders_the_formats():
     """probe.py trainer (the GPU check where vLLM is not): the held-out answers' tokens, each 16-bit
     trainer against float32 on this CPU; fp16's log-prob error and its logits' are a fraction of
-    bf16's; the loss scale brings fp16's gradient nearer float32's; no GPU, so no cross rows."""
+    bf16's; the loss scale brings fp16's gradient nearer float32's; no GPU, so no cross rows and no
+    --gpu-ablation."""
     result = probe.main(["trainer"])
     assert result["tokens"] == task.N_EVAL * (2 * 12 - 1 + 1) and not result["cross_rows"]
     err = {r["trainer"]: r["mismatch_logp_abs_mean"] for r in result["rows"] if r["device"] == "cpu"}
@@ -229,6 +230,9 @@ def test_trainer_half_needs_no_engine_and_orders_the_formats():
     assert all(0 < e < 1 for e in layers["bf16"] + layers["fp16"]) and layers["fp16"][-1] < layers["bf16"][-1]
     grads = {(g["trainer"], g["loss_scale"]): g for g in result["grads"]}
     assert grads["fp16", probe.INIT_SCALE]["rel_error"] < grads["fp16", 1.0]["rel_error"], grads
+    with pytest.raises(SystemExit) as refused:  # the GPU's kernels swapped: on a GPU alone
+        probe.main(["trainer", "--gpu-ablation", "both"])
+    assert refused.value.code == 2 and result["gpu_ablation"] == "none"
 
 
 def test_growth_decomposition_by_hand():
