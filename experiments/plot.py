@@ -13,8 +13,8 @@ held-out accuracy, each paired by seed against bf16 (95 % t interval, exact sign
 printed as the README's Markdown table. growth: the same runs, why the mismatch grows. fixes:
 the fixes side by side, offline and in RL. dial: held-out accuracy and reward against the dial's
 dose (campaign.py --plan dial), paired against dose 0, the audit's prediction beside them, and
-the practitioner's table (--tail L: and each cell's runs below L). The numbers drawn go to a
-JSON beside the PNG."""
+the practitioner's table (--tail L: and each cell's runs below L; --arms: some arms alone). The
+numbers drawn go to a JSON beside the PNG."""
 
 import argparse
 import itertools
@@ -712,6 +712,11 @@ def dial_figure(args):
     and paired against dose 0; beside them the audit's prediction (probe.py audit --dial-doses, if
     its JSON is in the folder); every chip's bf16 and fp16 and the published figures marked."""
     runs, where = load_experiment(args.path, args.seeds)
+    if args.arms:  # a figure of some arms: the others' runs are not read
+        missing = " ".join(sorted(set(args.arms) - set(runs)))
+        if missing:
+            refuse(f"--arms: no dial run of {missing} in {args.path}")
+        runs = {arm: runs[arm] for arm in args.arms}
     calibration = load_json(os.path.join(args.path, "dial.json"), "dial.py calibrate")
     unit, cells = calibration["unit"], dose_cells(runs)
     if not cells:
@@ -967,9 +972,12 @@ def main(argv=None):
         type=float,
         help="dial: also count, per cell, the runs whose held-out accuracy ends below this",
     )
+    p.add_argument(
+        "--arms", nargs="+", help="dial: draw and tabulate these arms alone (Holm over their tests)"
+    )
     args = p.parse_args(argv)
-    if args.tail is not None and args.figure != "dial":
-        refuse("--tail counts a dial's runs below a held-out accuracy: dial only")
+    if (args.tail is not None or args.arms) and args.figure != "dial":
+        refuse("--tail and --arms read a dial's runs: dial only")
     if args.figure == "fixes" and args.seeds:
         refuse("--seeds reads a folder of runs: experiment, growth or dial")
     if (args.figure == "fixes") != bool(args.experiment_json):

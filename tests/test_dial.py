@@ -152,6 +152,23 @@ def test_tail_counts_the_runs_below_a_level_seed_by_seed(tmp_path, capsys):
     assert stop.value.code == 2
 
 
+def test_arms_draws_those_arms_alone_and_refuses_one_with_no_run(tmp_path):
+    """--arms grpo: the folder's one arm, the same JSON as without it; an arm with no run: one line, exit 2."""
+    import json
+    import os
+
+    from experiments import plot
+
+    folder, out = dial_folder(str(tmp_path)), os.path.join(tmp_path, "dial.png")
+    plot.main(["dial", folder, "--out", out])
+    every = json.load(open(out[:-4] + ".json"))
+    plot.main(["dial", folder, "--arms", "grpo", "--out", out])
+    assert json.load(open(out[:-4] + ".json")) == every and list(every["shapes"]["uniform"]["arms"]) == ["grpo"]
+    with pytest.raises(SystemExit) as stop:
+        plot.main(["dial", folder, "--arms", "grpo", "gspo-engine", "--out", out])
+    assert stop.value.code == 2
+
+
 def test_the_dial_plan_runs_every_cell_once_top_dose_first():
     """3 arms x 5 seeds x (dose 0 + 2 shapes x 5 doses), each once; the top dose pairs with 0 first."""
     import argparse
