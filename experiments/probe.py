@@ -328,6 +328,14 @@ def flat_grad(model, loss):
         ]
     )
 
+def underflow(g, exact):
+    """Of the entries non-zero in float32: the share stored as 0, and as 0 or a subnormal number."""
+    n = max(1, (exact != 0).sum().item())
+    return (
+        ((g == 0) & (exact != 0)).sum().item() / n,
+        ((g.abs() < torch.finfo(g.dtype).tiny) & (exact != 0)).sum().item() / n,
+    )
+
 def scaler(args, engine=None):
     """One real GRPO batch of the warm start (the fp16 engine's samples and advantages): its policy
     gradient from the 16-bit trainer at several loss scales, against float32's. Unscaled, fp16's
@@ -356,14 +364,6 @@ def scaler(args, engine=None):
         ]  # ratio 1: the plain policy gradient
         g = flat_grad(model, loss * scale) / scale  # the backward fills seen["logits"]
         return seen["logits"], g
-
-    def underflow(g, exact):
-        """Of the entries non-zero in float32: the share stored as 0, and as 0 or a subnormal number."""
-        n = max(1, (exact != 0).sum().item())
-        return (
-            ((g == 0) & (exact != 0)).sum().item() / n,
-            ((g.abs() < torch.finfo(g.dtype).tiny) & (exact != 0)).sum().item() / n,
-        )
 
     exact_logits, exact = grad("fp32", 1.0)
     rows = []
@@ -454,11 +454,10 @@ def trainer(args, engine=None):
                     **basic_metrics(logp[dev, "fp32"], logp[dev, mode], mask),
                 }
             )
-    cross = [
+    cross = [  # the CPU's (mu's place) against the GPU's
         {"trainer": mode, **basic_metrics(logp["cpu", mode], logp["cuda", mode], mask)}
         for mode in DTYPES
-        if device == "cuda"
-    ]  # the CPU's (mu's place) against the GPU's
+    ] if device == "cuda" else []
     flags = {f: getattr(torch.backends.cuda.matmul, f) for f in CUDA_FLAGS}
     result = {
         "experiment": "trainer",
@@ -485,13 +484,12 @@ def gradient_errors(model, idx, mask, dev):
     exact, rows = flat_grad(model, mean_logp("fp32")), []
     for mode, scale in [("bf16", 1.0), ("fp16", 1.0), ("fp16", INIT_SCALE)]:
         g = flat_grad(model, mean_logp(mode) * scale) / scale
-        lost = ((g == 0) & (exact != 0)).sum().item() / max(1, (exact != 0).sum().item())
         rows.append(
             {
                 "device": dev,
                 "trainer": mode,
                 "loss_scale": scale,
-                "weight_grad_zero": lost,
+                "weight_grad_zero": underflow(g, exact)[0],
                 "rel_error": ((g - exact).norm() / exact.norm()).item(),
             }
         )
