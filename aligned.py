@@ -137,10 +137,11 @@ def fire(module, inputs, output):
         hook(module, inputs, output)
 
 def forward(model, dtype):
-    """As precision.Precision.forward: idx (B, T) -> logits (B, T, vocab) in `dtype`, each row
+    """As precision.Precision.logits_fn: idx (B, T) -> logits (B, T, vocab) in `dtype`, each row
     computed as the engine computes one sequence; differentiable in the float32 master weights.
-    The hooks of model.norm (train_grpo.score) and of each block (probe.py layer_errors) fire
-    with the final norm's input and output, and the residual stream after each block."""
+    The hooks of model.norm (train_grpo.score) and of each block (experiments/offline.py
+    layer_errors) fire with the final norm's input and output, and the residual stream after
+    each block."""
     cfg = model.cfg
     H, D, eps = cfg.n_head, cfg.n_embd // cfg.n_head, cfg.norm_eps
     table = rope_table(cfg, dtype)

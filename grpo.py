@@ -2,8 +2,9 @@
 grpo.py: GRPO with a GradScaler, by hand (step 3 of the loop): advantages, the normaliser,
 the loss (PPO-clip; each correction a weight on it), and the optimizer step.
 It teaches: the samples come from the engine (mu), the objective from the trainer (pi). The
-unbiased gradient is E_mu[(pi / mu) A grad log pi]; GRPO drops pi / mu, 1 but for the
-mismatch: the bias the dtype sets. The patches put a weight back; the paper's fix is fp16.
+unbiased gradient is E_mu[(pi / mu) A grad log pi]. GRPO leaves out the weight pi / mu,
+which would be 1 if the two agreed; the mismatch makes it differ from 1, and leaving it out
+is the bias the dtype sets. The patches put a weight back; the paper's fix is fp16.
 Left out: a KL penalty, a value network (the paper's runs use neither), entropy bonuses.
 """
 import math
@@ -22,6 +23,16 @@ GSPO_CLIP = (3e-4, 4e-4)  # GSPO's, below and above 1 (the GSPO paper's)
 MAX_GRAD_NORM = 1.0
 
 @dataclass
+class Update:  # what grpo_step reads of a run's flags
+    algorithm: str = "grpo"  # the loss (grpo_loss)
+    is_cap: float = None     # the IS weight's cap C; None: no cap
+    bypass: bool = False     # pi_old = mu, the engine's log-probs (verl's bypass mode)
+    dr_grpo: bool = False    # Dr. GRPO: no std; each sequence's sum over the budget
+    budget: int = 32         # new tokens a response may have: Dr. GRPO's normaliser
+    minibatches: int = 1     # optimizer steps per rollout batch
+    seed: int = 0            # the run's: the mini-batches' shuffle
+
+@dataclass
 class Batch:
     idx: torch.Tensor      # (N, T) prompt + response ids, right-padded
     mask: torch.Tensor     # (N, T-1) 1 on the predicted response tokens
@@ -32,7 +43,7 @@ class Batch:
         return Batch(self.idx[rows], self.mask[rows], self.mu_logp[rows], self.adv[rows], {})
 
 def group_advantages(rewards, group_size, scale_by_std=True, eps=1e-6):
-    """(r - group mean) / (group std + eps), G samples a prompt (Dr. GRPO: no std)."""
+    """(r - group mean) / (group std + eps), G samples per prompt (Dr. GRPO: no std)."""
     r = rewards.view(-1, group_size)
     adv = r - r.mean(dim=1, keepdim=True)
     if scale_by_std:
@@ -117,49 +128,43 @@ def optimizer_step(model, opt, scaler, loss):
     scaler.scale(loss).backward()
     scaler.unscale_(opt)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM).item()
-    scale_before = scaler.get_scale()
-    if scaler.is_enabled() or math.isfinite(grad_norm):
+    scale_before, finite = scaler.get_scale(), math.isfinite(grad_norm)
+    if scaler.is_enabled() or finite:
         scaler.step(opt)
     scaler.update()
-    if scaler.is_enabled():
-        return grad_norm, scaler.get_scale() < scale_before
-    return grad_norm, not math.isfinite(grad_norm)
+    return grad_norm, scaler.get_scale() < scale_before if scaler.is_enabled() else not finite
 
-def minibatch_rows(n, args, step):
-    """n rows in --minibatches near-equal parts, shuffled as oat does."""
-    if args.minibatches == 1:
+def minibatch_rows(n, update, step):
+    """n rows in update.minibatches near-equal parts, shuffled as oat does."""
+    if update.minibatches == 1:
         return [torch.arange(n)]
-    g = torch.Generator().manual_seed(task.seed_of("minibatch", args.seed, step))
-    return list(torch.randperm(n, generator=g).tensor_split(args.minibatches))
+    g = torch.Generator().manual_seed(task.seed_of("minibatch", update.seed, step))
+    return list(torch.randperm(n, generator=g).tensor_split(update.minibatches))
 
-def stop(args, step, why):  # a value the run cannot go on from; the last checkpoint is good
-    raise SystemExit(f"error: step {step}: {why}; checkpoint and metrics in {args.out}")
-
-def grpo_step(model, opt, scaler, prec, batch, trainer_logp, args, step, observe=None):
+def grpo_step(model, opt, scaler, prec, batch, trainer_logp, update, step, observe=None):
     """Step 3: an optimizer step per mini-batch; observe (experiments/) sees the loss."""
-    bypass = args.behavior_logp == "engine"
-    old_logp = batch.mu_logp if bypass else trainer_logp
+    old_logp = batch.mu_logp if update.bypass else trainer_logp
     done = []  # (loss, grad norm, skipped, parts, rows) per optimizer step
-    for rows in minibatch_rows(len(batch.adv), args, step):
-        norm = loss_norm(batch.mask[rows], args.algorithm, args.dr_grpo, args.max_new_tokens)
+    for rows in minibatch_rows(len(batch.adv), update, step):
+        norm = loss_norm(batch.mask[rows], update.algorithm, update.dr_grpo, update.budget)
         # A = 0 adds exactly 0 to loss and gradient: out of the forward, not the normaliser
         keep = batch.adv[rows] != 0
         keep = keep if keep.any() else torch.ones_like(keep)
         kept = rows[keep]
-        logp = token_logprobs(prec.forward(model), batch.idx[kept])
+        logp = token_logprobs(prec.logits_fn(model), batch.idx[kept])
         loss, parts = grpo_loss(logp, old_logp[kept], batch.select(kept), norm[keep],
-                                args.algorithm, args.is_cap, bypass)
-        if not torch.isfinite(loss):
-            stop(args, step, f"non-finite loss ({loss.item()})")
-        grad_norm, skipped = optimizer_step(model, opt, scaler, loss)
-        if skipped and not scaler.is_enabled():
-            stop(args, step, "non-finite gradient (skipped; only fp16 expects it)")
+                                update.algorithm, update.is_cap, update.bypass)
+        grad_norm, skipped = optimizer_step(model, opt, scaler, loss)  # inf/nan: skipped
         done.append((loss.item(), grad_norm, skipped, parts, kept))
     losses, norms, skips, parts, kept = zip(*done)
     rows = torch.cat(kept)
     together = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-    seen = batch.adv[rows], batch.mask[rows], args.algorithm
+    seen = batch.adv[rows], batch.mask[rows], update.algorithm
     stats = observe.loss(together, *seen) if observe else {}
+    no_clip = torch.zeros(len(rows), 1)  # pg-seq-*; gspo's clip counts on each of its tokens
+    clipped = together.get("clipped", no_clip).expand_as(seen[1])
+    clip = (clipped * seen[1]).sum().item() / batch.mask.sum().clamp(min=1).item()
     # One loss and grad norm per optimizer step, on near-equal mini-batches: their mean
     return {"loss": sum(losses) / len(losses), **stats, "grad_norm": sum(norms) / len(norms),
-            "step_skipped": any(skips), "loss_scale": scaler.get_scale()}
+            "step_skipped": any(skips), "loss_scale": scaler.get_scale(),
+            "clip_frac": clip, "actor/pg_clipfrac": clip, "clip_ratio/region_mean": clip}

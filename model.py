@@ -11,6 +11,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 # Head sizes vLLM's CPU attention accepts (GPUs too).
 VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+MAX_SEQ_LEN = 512  # positions: the warm start's time grows with them (128: 4 min, 2 cores)
 
 @dataclass
 class GPTConfig:
@@ -36,6 +38,8 @@ class GPTConfig:
         if self.n_embd % self.n_head or head not in VLLM_HEAD_SIZES:
             raise ValueError(f"n_embd/n_head = {self.n_embd}/{self.n_head} must be a head "
                              f"size vLLM's attention accepts: {VLLM_HEAD_SIZES}")
+        if self.max_seq_len > MAX_SEQ_LEN:  # --n-items 5000 would train for hours
+            raise ValueError(f"{self.max_seq_len} positions (--n-items, --max-new-tokens): max {MAX_SEQ_LEN}")
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
@@ -144,8 +148,6 @@ def pack(prompts, responses, device, logprobs=None, pad=GPTConfig.eos_id):
             mu[i, where] = torch.tensor(logprobs[i])
     return idx.to(device), mask.to(device), mu.to(device)
 
-# --- The checkpoint: a Hugging Face Llama folder (config.json + model.safetensors) ---------
-
 def hf_named_tensors(model):  # (HF name, tensor) pairs: what vLLM loads, and rollout.py syncs
     for name, p in model.named_parameters():
         yield (name if name.startswith("lm_head") else "model." + name), p.detach()
@@ -163,9 +165,10 @@ def hf_config(cfg):
         "tie_word_embeddings": False, "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id,
         "torch_dtype": "float32", "gpt_config": asdict(cfg)}  # ours: read_config checks it
 
-def write_atomic(path, text):  # a kill leaves the old file or the new, never half
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
+def write_atomic(path, data):
+    """data: text, or save(tmp) writing the file; then a rename: a kill leaves the old file
+    or the new, never half of one."""
+    data(path + ".tmp") if callable(data) else Path(path + ".tmp").write_text(data)
     os.replace(path + ".tmp", path)
 
 def save_hf(model, out_dir):
@@ -174,8 +177,7 @@ def save_hf(model, out_dir):
     weights = os.path.join(out_dir, "model.safetensors")
     # float32 on disk: the master weights, so every dtype's run starts from the same values.
     state = {k: v.float().contiguous().cpu() for k, v in hf_named_tensors(model)}
-    save_file(state, weights + ".tmp")
-    os.replace(weights + ".tmp", weights)
+    write_atomic(weights, lambda tmp: save_file(state, tmp))
     config = json.dumps(hf_config(model.cfg), indent=2)
     write_atomic(os.path.join(out_dir, "config.json"), config)  # last: the folder is complete
 

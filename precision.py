@@ -39,8 +39,9 @@ class Precision:
     head_fp32: bool            # the LM head in float32 on both sides
     device: str                # "cuda" when present, else "cpu"
     kernels: str = "torch"     # "engine": the trainer runs vLLM's CPU kernels (aligned.py)
-    def forward(self, model):
-        """The trainer's model: idx -> logits on the master weights cast to dtype."""
+    def logits_fn(self, model):
+        """The trainer's forward, as a function idx -> logits on the master weights cast to
+        dtype (the model itself in fp32)."""
         head_dtype = torch.float32 if self.head_fp32 else None
         if self.dtype == torch.float32:
             return model
@@ -50,7 +51,6 @@ class Precision:
         # On CUDA the 16-bit kernels are native; a CPU emulates them.
         on_cpu = self.device == "cpu"
         ops = TensorCoreMatmuls(self.dtype, strict=True) if on_cpu else nullcontext()
-
         def run(idx):
             weights = {n: p.to(self.dtype) for n, p in model.named_parameters()}
             with ops:
@@ -74,10 +74,8 @@ def get_precision(name, engine=None, lm_head="same", device=None, kernels="torch
     no_bf16 = device == "cuda" and not torch.cuda.is_bf16_supported()
     if "bf16" in (name, engine) and no_bf16:
         raise ValueError("bf16: this GPU has no bfloat16 support (use fp16 or fp32)")
-    if kernels == "engine" and (name == "fp32" or engine != name or lm_head == "fp32"
-                                or device != "cpu"):
-        raise ValueError("--trainer-kernels engine: bf16 or fp16, on a CPU, with the engine "
-                         "in the same dtype and the same LM head (the kernels matched)")
+    if kernels == "engine" and (name == "fp32" or engine != name or lm_head == "fp32" or device != "cpu"):
+        raise ValueError("--trainer-kernels engine: bf16 or fp16 on a CPU, the engine and LM head the same")
     return Precision(name, TORCH_DTYPE[name], TORCH_DTYPE[engine], VLLM_DTYPE[engine],
                      lm_head == "fp32", device, kernels)
 
@@ -115,8 +113,6 @@ class TensorCoreMatmuls(TorchFunctionMode):
                                f"explicitly if meant, or the trainer silently runs in float32")
         return out
 
-# --- The mismatch between engine (mu) and trainer (pi) on response tokens ------------------
-
 def mismatch_metrics(mu_logp, pi_logp, mask):
     """The engine's (mu) and the trainer's (pi) log-prob of each sampled token, same weights,
     before the update; mask: 1 on response tokens; all (N, T). With d = log mu - log pi and
@@ -134,16 +130,14 @@ def mismatch_metrics(mu_logp, pi_logp, mask):
     log_r = -d
     k3 = (torch.expm1(log_r) - log_r) * m
     dp = (mu_logp.double().exp() - pi_logp.double().exp()).abs() * m
-    return {
-        "mismatch_k1": (d.sum() / n).item(),
-        "mismatch_k3": (k3.sum() / n).item(),
-        "mismatch_prob_abs_mean": (dp.sum() / n).item(),
-        "mismatch_prob_abs_max": dp.max().item(),
-        "mismatch_logp_abs_mean": (d.abs().sum() / n).item(),
-        "mismatch_seq_logratio_abs": d.sum(1).abs().mean().item(),
-        "logp_mean": (pi_logp.double() * m).sum().item() / n.item(),
-        **framework_metrics(mu_logp.float(), pi_logp.float(), mask.float()),
-    }
+    return {"mismatch_k1": (d.sum() / n).item(),
+            "mismatch_k3": (k3.sum() / n).item(),
+            "mismatch_prob_abs_mean": (dp.sum() / n).item(),
+            "mismatch_prob_abs_max": dp.max().item(),
+            "mismatch_logp_abs_mean": (d.abs().sum() / n).item(),
+            "mismatch_seq_logratio_abs": d.sum(1).abs().mean().item(),
+            "logp_mean": (pi_logp.double() * m).sum().item() / n.item(),
+            **framework_metrics(mu_logp.float(), pi_logp.float(), mask.float())}
 
 def framework_metrics(mu, pi, m):
     """verl's and TRL's names for the mismatch, computed as they compute it (float32, their

@@ -5,11 +5,11 @@ engine; one --dtype flag switches trainer and engine between fp16, bf16 and fp32
     python train_grpo.py --dtype fp16     # or bf16, fp32: same data, seed and start
 
 From a warm start (warm_start.py), each step is five calls:
-  1. rollout  the engine samples G responses a prompt, with its log-probs mu
+  1. rollout  the engine samples G responses per prompt, with its log-probs mu
   2. score    the trainer's log-probs pi of the same tokens
   3. update   the GRPO loss, a backward through the GradScaler, a step (grpo.py)
   4. sync     the new weights into the running engine, in place
-  5. log      a strict-JSON metrics row and a checkpoint
+  5. save     a strict-JSON metrics row, then a checkpoint
 
 It teaches: engine and trainer compute "the same" probabilities with different kernels; in
 bf16 (7 mantissa bits) they disagree enough to bias the gradient; fp16 (10) shrinks that.
@@ -28,8 +28,8 @@ import time
 import torch
 
 import task
-from grpo import ALGORITHMS, CAPS, Batch, group_advantages, grpo_step, stop
-from model import hf_named_tensors, load_hf, logprobs_of, pack, read_config, save_hf, write_atomic
+from grpo import ALGORITHMS, CAPS, Batch, Update, group_advantages, grpo_step
+from model import hf_named_tensors, load_hf, pack, read_config, save_hf, token_logprobs, write_atomic
 from precision import DTYPES, get_precision, mismatch_metrics
 from rollout import generate, start_engine, sync_weights
 from warm_start import model_config, warm_start
@@ -40,7 +40,7 @@ EVAL_EVERY = 10   # steps between held-out evaluations (and after the last)
 MAX_SKIPS = 10    # fp16 steps skipped in a row (inf/nan gradients) before a stop
 
 def rollout(llm, train_batch, args, step, device):
-    """Step 1: G responses a prompt from the engine, its log-probs mu, rewards, advantages."""
+    """Step 1: G responses per prompt from the engine, its log-probs mu, rewards, advantages."""
     t0 = time.perf_counter()
     problems = train_batch(("rl", args.seed, step), args.batch_size)
     # The engine samples from torch's global generator (a per-request seed crashes its CPU
@@ -63,8 +63,7 @@ def rollout(llm, train_batch, args, step, device):
 def score(model, prec, batch):
     """Step 2: the trainer's log-probs pi of the samples, in its dtype, before the update."""
     with torch.no_grad():
-        logits = prec.forward(model)(batch.idx[:, :-1])
-    return logprobs_of(logits, batch.idx)
+        return token_logprobs(prec.logits_fn(model), batch.idx)
 
 def evaluate(llm, eval_problems, args, step):
     """Held-out accuracy, one sample each at temperature 1 by the run's engine: the curve."""
@@ -74,8 +73,8 @@ def evaluate(llm, eval_problems, args, step):
     right = [task.reward(s.response_ids, a) for s, (_, a) in zip(samples, eval_problems)]
     return sum(right) / len(eval_problems)
 
-def log_step(out, step, rec, model, opt, scaler):
-    """Step 5: the row as strict JSON (non-finite: null, named in "nonfinite"); a checkpoint."""
+def save_step(out, step, rec, model, opt, scaler):
+    """Step 5: the row as strict JSON (non-finite: null, named in "nonfinite"), a checkpoint."""
     bad = [k for k, v in rec.items() if isinstance(v, float) and not math.isfinite(v)]
     row = {k: None if k in bad else v for k, v in rec.items()}
     row.update({"nonfinite": bad} if bad else {})
@@ -83,9 +82,7 @@ def log_step(out, step, rec, model, opt, scaler):
         f.write(json.dumps(row, allow_nan=False) + "\n")
     state = {"step": step + 1, "model": model.state_dict(), "opt": opt.state_dict(),
              "scaler": scaler.state_dict()}
-    path = os.path.join(out, "checkpoint.pt")
-    torch.save(state, path + ".tmp")  # then a rename: never half a checkpoint
-    os.replace(path + ".tmp", path)
+    write_atomic(os.path.join(out, "checkpoint.pt"), lambda tmp: torch.save(state, tmp))
     print(f"step {step:4d} | reward {rec['reward_mean']:.3f} | k3 {rec['mismatch_k3']:.2e} "
           f"| gnorm {rec['grad_norm']:.3f} | scale {rec['loss_scale']:.0f}"
           f"{' SKIP' * rec['step_skipped']} | {rec['time_step_s']:.2f}s "
@@ -97,8 +94,6 @@ def learning_rate(args, step):
     progress = max(0.0, step - WARMUP_STEPS) / max(1, args.steps - WARMUP_STEPS)
     cosine = 0.5 * (1 + math.cos(math.pi * progress))
     return args.lr * warm * (LR_FLOOR + (1 - LR_FLOOR) * cosine)
-
-# --- The run's folder: never overwritten, resumed exactly ------------------------------------
 
 def open_run(args, record):
     """The resume state (or None), and args.json (flags, commit, record); refuses bad ones."""
@@ -127,20 +122,20 @@ def code_version():  # the commit, and whether a tracked .py differs: what compu
     return {"commit": head.stdout.strip(), "dirty": bool(changed.strip())}
 
 def resume(out, state, model, opt, scaler):  # metrics.jsonl cut to the state: no step twice
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["opt"])
-    scaler.load_state_dict(state["scaler"])
+    for part, key in ((model, "model"), (opt, "opt"), (scaler, "scaler")):
+        part.load_state_dict(state[key])
     path = os.path.join(out, "metrics.jsonl")  # a row is written before its checkpoint
     with open(path) as f:
         write_atomic(path, "".join(f.readlines()[:state["step"]]))
     print(f"resuming {out} at step {state['step']}")
     return state["step"]
 
-# --- The run ---------------------------------------------------------------------------------
+def stop(args, step, why):  # a value the run cannot go on from; the last checkpoint is good
+    raise SystemExit(f"error: step {step}: {why}; checkpoint and metrics in {args.out}")
 
-def train(args, llm=None, instruments=None, record=None, until=None):
+def train(args, llm=None, instruments=None, record=None, until=None, more=None):
     """The whole run. llm: an engine to reuse (the tests share one). For experiments/:
-    instruments (more fields a row), record (for args.json), until (stop early)."""
+    instruments (fields a row), record (for args.json), until (stop early), more (engine's)."""
     state = open_run(args, record)
     prec = get_precision(args.dtype, args.engine_dtype, args.lm_head, kernels=args.trainer_kernels)
     eval_problems, train_batch = task.make_splits(args.seed, args.n_items, task.N_EVAL)
@@ -149,9 +144,11 @@ def train(args, llm=None, instruments=None, record=None, until=None):
     model = load_hf(ckpt, prec.device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     scaler = prec.grad_scaler()
+    update = Update(args.algorithm, args.is_cap, args.behavior_logp == "engine", args.dr_grpo,
+                    args.max_new_tokens, args.minibatches, args.seed)
     start = resume(args.out, state, model, opt, scaler) if state else 0
     if llm is None:
-        llm = start_engine(ckpt, prec.vllm_dtype, args.seed, cfg.max_seq_len, prec.head_fp32)
+        llm = start_engine(ckpt, prec.vllm_dtype, args.seed, cfg.max_seq_len, prec.head_fp32, **(more or {}))
     sync_weights(llm, hf_named_tensors(model), prec.engine_dtype)  # the trainer's weights
     acc0 = evaluate(llm, eval_problems, args, -1) if start == 0 else None
     print(f"trainer {args.dtype} ({prec.kernels}'s kernels) | engine {prec.vllm_dtype} | LM "
@@ -168,7 +165,9 @@ def train(args, llm=None, instruments=None, record=None, until=None):
         if not torch.isfinite(torch.stack([batch.mu_logp, pi])[:, batch.mask.bool()]).all():
             stop(args, step, "non-finite log-prob (engine or trainer)")
         more = instruments.step(model, prec, batch, pi) if instruments else {}
-        stats = grpo_step(model, opt, scaler, prec, batch, pi, args, step, instruments)  # 3.
+        stats = grpo_step(model, opt, scaler, prec, batch, pi, update, step, instruments)  # 3.
+        if not math.isfinite(stats["loss"]) or stats["step_skipped"] and not scaler.is_enabled():
+            stop(args, step, f"non-finite loss ({stats['loss']}) or bf16/fp32 gradient")
         t3 = time.perf_counter()
         sync_s = sync_weights(llm, hf_named_tensors(model), prec.engine_dtype)  # 4. sync
         rec = {"step": step, "lr": opt.param_groups[0]["lr"], **batch.log,
@@ -179,7 +178,7 @@ def train(args, llm=None, instruments=None, record=None, until=None):
         if (step + 1) % EVAL_EVERY == 0 or step == args.steps - 1:
             rec["eval_accuracy"] = evaluate(llm, eval_problems, args, step)
         rec["time_step_s"] = time.perf_counter() - t0
-        log_step(args.out, step, rec, model, opt, scaler)               # 5. log
+        save_step(args.out, step, rec, model, opt, scaler)              # 5. row, checkpoint
         skips = skips + 1 if stats["step_skipped"] else 0
         if skips > MAX_SKIPS:
             stop(args, step, f"{skips} consecutive fp16 steps skipped for inf/nan gradients")
@@ -187,8 +186,6 @@ def train(args, llm=None, instruments=None, record=None, until=None):
     rows = [json.loads(line) for line in open(os.path.join(args.out, "metrics.jsonl"))][-10:]
     last10 = sum(r["reward_mean"] for r in rows) / len(rows)
     print(f"held-out accuracy {rows[-1].get('eval_accuracy')} | last-10 reward {last10:.4f}")
-
-# --- Flags: argparse refuses what it can, check() the rest; no side effects ------------------
 
 def refuse(message):  # bad input: one line, exit status 2, before any work
     print(f"error: {message}", file=sys.stderr)
@@ -245,13 +242,13 @@ def check(args):
         refuse("vLLM is not installed: run `bash setup.sh`")
     try:
         get_precision(args.dtype, args.engine_dtype, args.lm_head, kernels=args.trainer_kernels)
-        model_config(args.n_items, args.max_new_tokens, args.n_layer, args.n_head, args.n_embd)
-        read_config(args.init) if args.init else None
+        cfg = model_config(args.n_items, args.max_new_tokens, args.n_layer, args.n_head, args.n_embd)
+        if args.init and read_config(args.init).max_seq_len < cfg.max_seq_len:
+            raise ValueError(f"--init {args.init}: its context is shorter than this task's")
     except ValueError as e:
         refuse(str(e).replace("n_embd/n_head", "--n-embd/--n-head"))
-    sequences = args.batch_size * args.group_size
-    if args.minibatches > sequences:
-        refuse(f"--minibatches {args.minibatches} exceeds the {sequences} sequences a batch")
+    if args.minibatches > args.batch_size * args.group_size:
+        refuse(f"--minibatches {args.minibatches}: more than a batch's sequences")
     if args.algorithm == "token-tis" and args.behavior_logp == "engine":  # w counted twice
         refuse("--algorithm token-tis with --behavior-logp engine: the ratio is pi / mu already")
     if args.dr_grpo and args.algorithm == "gspo":

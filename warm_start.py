@@ -29,7 +29,10 @@ SFT_NOISE = 0.005  # the chance that a solution digit is wrong
 
 def model_config(n_items, max_new_tokens, n_layer=4, n_head=4, n_embd=128):
     """The GPT for the task: context a power of two >= the longest prompt + response."""
-    prompt = task.prompt_ids(task.make_problem(random.Random(0), n_items)[0])
+    prompt, answer = task.make_problem(random.Random(0), n_items)
+    prompt, answer = task.prompt_ids(prompt), task.answer_ids(answer)
+    if max_new_tokens < len(answer):  # every reward would be 0: nothing to learn
+        raise ValueError(f"--max-new-tokens {max_new_tokens}: answers take {len(answer)} tokens")
     max_seq_len = max(128, 2 ** math.ceil(math.log2(len(prompt) + max_new_tokens)))
     return GPTConfig(vocab_size=task.VOCAB_SIZE, n_layer=n_layer, n_head=n_head,
                      n_embd=n_embd, n_hidden=3 * n_embd, max_seq_len=max_seq_len,

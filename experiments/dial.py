@@ -8,7 +8,9 @@ engine's log-probs: mismatch 0. The dial adds noise to the engine's logits insid
 logits processor, and asks vLLM for the processed log-probs (logprobs_mode
 "processed_logprobs"): the engine samples from the perturbed distribution mu and returns
 log mu, the distribution it actually sampled from. The trainer never sees the noise. So a run
-at dose D differs from the run at dose 0 in the mismatch alone: same weights, same kernels.
+at dose D starts from dose 0's weights, kernels and prompts; what differs is the mismatch and,
+since the noise is drawn from the sampler's own generator, the random numbers the engine
+samples with: a dosed run draws other samples than dose 0's from its first step on.
 
 Why a logits processor and not perturbed weights: the noise is then exactly the mismatch (no
 second path through the network), its size is set directly, and vLLM's CPU engine runs it.
@@ -17,7 +19,7 @@ Two shapes, each a std for every vocabulary entry's logit, fresh Gaussian noise 
 position (drawn from torch's generator, which train_grpo.rollout seeds every step):
   uniform  the same std for every entry;
   bf16     the std of an entry scaled by the chip's measured bf16 mismatch in its bucket of
-           pi (instruments.PI_EDGES): larger where pi is small, as bf16's is.
+           pi (common.PI_EDGES): larger where pi is small, as bf16's is.
 At dose 0 nothing is installed: the engine is exactly the aligned run's.
 
 The unit of dose is the practitioners': the mean |log mu - log pi| per sampled token on the
@@ -25,25 +27,21 @@ warm start. 1x is the chip's plain bf16 (engine and trainer both bf16, no aligne
 `calibrate` measures it, and for each shape how the std maps onto it.
 """
 
-import argparse
 import json
 import math
-import os
-import sys
 
 import numpy as np
 import torch
+from vllm.v1.sample.logits_processor import LogitsProcessor
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]  # the core, and this folder, from anywhere
-from vllm.v1.sample.logits_processor import LogitsProcessor  # noqa: E402
-
-import task  # noqa: E402
-from instruments import PI_EDGES, machine, pi_buckets  # noqa: E402
-from model import hf_named_tensors, load_hf, pack, token_logprobs, write_atomic  # noqa: E402
-from precision import get_precision, mismatch_metrics  # noqa: E402
-from rollout import generate, start_engine, sync_weights  # noqa: E402
-from warm_start import model_config, warm_start  # noqa: E402
+import common  # first: it puts the core on sys.path
+import task
+from common import PI_EDGES
+from instruments import machine, pi_buckets
+from model import hf_named_tensors, load_hf, pack, token_logprobs
+from precision import get_precision, mismatch_metrics
+from rollout import generate, start_engine, sync_weights
+from warm_start import model_config, warm_start
 
 SHAPES = ("uniform", "bf16")
 SIGMAS = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 0.5, 1.0, 2.0)  # the grid of logit stds
@@ -123,7 +121,7 @@ def measure(llm, model, prompts, args, trainer):
     columns = [[getattr(s, k) for s in samples] for k in ("prompt_ids", "response_ids")]
     idx, mask, mu = pack(*columns, "cpu", [s.logprobs for s in samples])
     with torch.no_grad():
-        pi = token_logprobs(trainer.forward(model), idx)
+        pi = token_logprobs(trainer.logits_fn(model), idx)
     return {**mismatch_metrics(mu, pi, mask), **pi_buckets(mu, pi, mask)}
 
 def calibrate(args):
@@ -184,8 +182,7 @@ def calibrate(args):
     return result
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="the mismatch dial: calibrate it on this chip")
-    p.error = lambda message: p.exit(2, f"error: {message}\n")  # one line, exit 2
+    p = common.parser("the mismatch dial: calibrate it on this chip")
     p.add_argument("command", choices=["calibrate"])
     p.add_argument("--seed", type=int, default=0, help="the warm start and the samples")
     p.add_argument("--n-items", type=int, default=12)
@@ -193,10 +190,8 @@ def main(argv=None):
     p.add_argument("--json", required=True, help="where the calibration goes")
     args = p.parse_args(argv)
     args.max_new_tokens = 2 * args.n_items + 8
-    if not os.access(os.path.dirname(os.path.abspath(args.json)) or ".", os.W_OK):
-        p.error(f"--json {args.json}: its folder does not exist or cannot be written")
-    result = calibrate(args)
-    write_atomic(args.json, json.dumps(result, indent=1))
+    common.writable(args.json)
+    common.write_json(args.json, calibrate(args))
     print(f"written to {args.json}")
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@ experiments/instruments.py: what the experiments measure beyond a run's basic ro
 
 A run takes them through train_grpo.train(args, instruments=instruments): `step` adds, before
 each update, the mismatch by bucket of pi and the size of what the 16-bit forward rounds;
-`loss` adds what the loss did (clipped shares, importance weights). campaign.py turns them
-on for every run; the tutorial's run does without.
+`loss` adds what the loss did (the clipped shares by the sign of A, importance weights).
+campaign.py turns them on for every run; the tutorial's run does without (its rows carry the
+clip fraction over all tokens).
 Also here: machine() (what a result ran on) and prefill_logprobs (the engine on given tokens)."""
 
 import os
@@ -12,19 +13,10 @@ import platform
 
 import torch
 
-# CPU features that decide vLLM's 16-bit CPU kernels (experiments/README.md, section 6).
-ISA_FLAGS = (
-    "avx2",
-    "avx512f",
-    "avx512_bf16",
-    "avx512_fp16",
-    "amx_tile",
-    "amx_bf16",
-    "amx_fp16",
-)
-# Buckets of pi, the trainer's probability of the sampled token: a sharp policy's tokens sit
-# mostly above 0.9, so the edges split the top finely.
-PI_EDGES = (0.0, 0.5, 0.9, 0.99, 0.999, 1.0)
+from common import PI_EDGES
+
+# CPU features that decide vLLM's 16-bit CPU kernels (experiments/chips.md).
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
 
 def machine():
     """What a measurement ran on: host, CPU model (a VM may mask its name: family/model/
@@ -57,12 +49,6 @@ def machine():
         "gpu": gpu,
         "vllm": (vllm or [None])[0],
     }
-
-def machine_line(m):
-    return (
-        f"{m['gpu'] or m['cpu']} ({' '.join(m['cpu_isa'])}), torch {m['torch']}, "
-        f"{m['vllm']}, host {m['host']}"
-    )
 
 def pi_buckets(mu_logp, pi_logp, mask):
     """Per bucket of pi (PI_EDGES): the share of response tokens, and their mean |log mu -
@@ -110,7 +96,7 @@ def step(model, prec, batch, pi):
 
     hook = model.norm.register_forward_hook(keep)
     with torch.no_grad():
-        logits = prec.forward(model)(batch.idx[:, :-1])
+        logits = prec.logits_fn(model)(batch.idx[:, :-1])
     hook.remove()
     return {
         **pi_buckets(batch.mu_logp, pi, batch.mask),

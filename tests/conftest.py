@@ -1,6 +1,7 @@
 """Shared fixtures: one real vLLM engine per (dtype, LM head) for the whole test session, a small warm
 start in a temporary cache, and one small random checkpoint. Tests that compare the engine with the
 trainer sync the weights they compare against into the engine first, so test order never matters."""
+import json
 import os
 import sys
 
@@ -10,6 +11,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "experiments")]  # the core, and the experiments' modules
 
+import instruments  # noqa: E402
 import rollout  # noqa: E402  (sets the vLLM environment variables before vllm is imported)
 import task  # noqa: E402
 import train_grpo  # noqa: E402
@@ -80,3 +82,29 @@ def varied_reward(monkeypatch):
 def parity_reward(ids, answer):
     """1 when the first sampled token is even: varies within a group whatever the model knows."""
     return float(bool(ids) and ids[0] % 2 == 0)
+
+
+KEYS = ["step", "reward_mean", "response_len_mean", "mismatch_k1", "mismatch_k3", "mismatch_prob_abs_max",
+        "mismatch_prob_abs_mean", "mismatch_logp_abs_mean", "grad_norm", "loss_scale", "step_skipped",
+        "time_rollout_s", "time_logprob_s", "time_train_s", "time_sync_s", "logp_mean", "clip_frac",
+        "actor/pg_clipfrac", "clip_ratio/region_mean"]
+INSTRUMENT_KEYS = ["resid_rms", "hidden_rms", "logit_rms", "logit_abs_max", "entropy_mean", "weight_rms",
+                   "clip_frac_pos", "clip_frac_neg", "clip_seq_frac", "ratio_dev_max"]
+
+
+@pytest.fixture(scope="session")
+def dtype_runs(engine, warm_dir):
+    """Three real runs of three steps, one per dtype, with the experiments' instruments on (as
+    campaign.py runs them): {dtype: rows}, in one folder for campaign_figure.py."""
+    exp = os.path.join(warm_dir, "exp")
+    os.makedirs(exp)
+    runs = {}
+    with pytest.MonkeyPatch.context() as mp:  # varied_reward, for a module-scoped fixture
+        mp.setattr(task, "reward", parity_reward)
+        for name, vllm_dtype in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")):
+            out = os.path.join(exp, f"grpo-{name}-s0")
+            args = tiny_args(warm_dir, "--dtype", name, *rl(3), "--out", out)
+            train_grpo.train(args, llm=engine(vllm_dtype), instruments=instruments, record={"machine": instruments.machine()})
+            runs[name] = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+            assert os.path.isfile(os.path.join(out, "hf", "model.safetensors"))
+    return exp, runs

@@ -32,7 +32,7 @@ def test_aligned_logprobs_equal_the_engines(engine, random_ckpt, name):
     idx, mask, decode = pack(prompts, responses, "cpu", [s.logprobs for s in samples])
     prefill, on = pack(prompts, responses, "cpu", scored)[2], mask.bool()
     with torch.no_grad():
-        aligned_lp, plain_lp = (token_logprobs(p.forward(model), idx)[on] for p in (aligned_prec, plain_prec))
+        aligned_lp, plain_lp = (token_logprobs(p.logits_fn(model), idx)[on] for p in (aligned_prec, plain_prec))
     assert on.sum() > 8 * 4 * 10
     plain_gap = (plain_lp - prefill[on]).abs()
     assert (plain_gap > 0).float().mean() > 0.5  # the emulated trainer's mismatch: most tokens
@@ -107,7 +107,7 @@ def test_attention_backward_is_autograds(dtype):
 def test_aligned_trainer_gets_gradients_in_every_master_weight(random_ckpt):
     model = load_hf(random_ckpt)
     idx = torch.randint(0, 256, (4, 20))
-    logits = get_precision("bf16", kernels="engine").forward(model)(idx)
+    logits = get_precision("bf16", kernels="engine").logits_fn(model)(idx)
     assert logits.dtype == torch.bfloat16 and logits.shape == (4, 20, model.cfg.vocab_size)
     logits.float().logsumexp(-1).sum().backward()
     for name, p in model.named_parameters():

@@ -1,10 +1,6 @@
-"""grpo.py's hand-written loss and normalisers, the mini-batch step and the GradScaler update (against
-hand-computed values), the warm start, and a few real RL steps."""
-import itertools
-import json
+"""grpo.py: the hand-written loss and normalisers, the mini-batch step, the clip fraction and the
+GradScaler step, against hand-computed values."""
 import math
-import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,17 +8,16 @@ import torch
 import grpo
 import instruments
 import task
-import train_grpo
-import warm_start
-from conftest import parity_reward, rl, tiny_args
-from experiments import plot
 from grpo import Batch, group_advantages, grpo_loss, loss_norm, optimizer_step
 from instruments import loss as loss_stats
-from model import GPT, GPTConfig, load_hf, pack, token_logprobs
+from model import GPT, GPTConfig, token_logprobs
 from precision import get_precision
+
 
 # Two sequences of three response tokens; the second one's last token is padding.
 MASK = torch.tensor([[1., 1., 1.], [1., 1., 0.]])
+
+
 ADV = torch.tensor([1.0, -1.0])
 
 
@@ -179,16 +174,6 @@ def test_dr_grpo_divides_each_sequence_sum_by_the_generation_budget():
     assert loss.item() == pytest.approx((-3 + 2) / 16, abs=1e-7)
 
 
-def test_clip_statistics_count_only_sequences_with_an_advantage():
-    old = torch.log(torch.full((3, 3), 0.4))
-    ratio = torch.tensor([[1.5, 1.0, 1.0], [1.0, 0.5, 1.0], [3.0, 3.0, 3.0]])
-    mask, adv = torch.ones(3, 3), torch.tensor([1.0, -1.0, 0.0])  # the third has no gradient
-    _, parts = loss_of(old + ratio.log(), old, old, adv, mask)
-    stats = loss_stats(parts, adv, mask, "grpo")
-    assert stats["clip_frac_pos"] == pytest.approx(1 / 3) and stats["clip_frac_neg"] == pytest.approx(1 / 3)
-    assert stats["clip_seq_frac"] == 1.0 and stats["ratio_dev_max"] == pytest.approx(2.0)
-
-
 def tiny_batch(n=8, T=10, seed=0):
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, 256, (n, T), generator=g)
@@ -207,12 +192,11 @@ def test_a_minibatch_step_equals_the_steps_by_hand():
     twin = GPT(GPTConfig(n_layer=1, n_embd=64, n_head=2, n_hidden=96))
     twin.load_state_dict(model.state_dict())
     batch, prec = tiny_batch(), get_precision("fp32", device="cpu")
-    args = SimpleNamespace(algorithm="grpo", dr_grpo=False, max_new_tokens=6, is_cap=None, behavior_logp="trainer",
-                           minibatches=2, seed=3, out="-")
+    update = grpo.Update("grpo", None, bypass=False, dr_grpo=False, budget=6, minibatches=2, seed=3)
     with torch.no_grad():
         pi_old = token_logprobs(model, batch.idx)
     opt, scaler = torch.optim.SGD(model.parameters(), lr=0.5), prec.grad_scaler()
-    stats = grpo.grpo_step(model, opt, scaler, prec, batch, pi_old, args, 5, instruments)
+    stats = grpo.grpo_step(model, opt, scaler, prec, batch, pi_old, update, 5, instruments)
 
     order = torch.randperm(8, generator=torch.Generator().manual_seed(task.seed_of("minibatch", 3, 5)))
     twin_opt = torch.optim.SGD(twin.parameters(), lr=0.5)
@@ -229,10 +213,29 @@ def test_a_minibatch_step_equals_the_steps_by_hand():
     assert stats["ratio_dev_max"] > 0  # the second mini-batch saw pi_theta move away from pi_old
 
 
+def test_every_row_carries_the_clipped_share_of_all_response_tokens():
+    """The clip fraction, also under verl's and TRL's names: GSPO with pi_old = mu binds on whole
+    sequences here (the random model is far from mu), counted on each of their tokens, over every
+    response token of the batch (the A = 0 rows left out of the forward included)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_embd=64, n_head=2, n_hidden=96))
+    batch, prec = tiny_batch(), get_precision("fp32", device="cpu")
+    with torch.no_grad():
+        pi = token_logprobs(model, batch.idx)
+    r = torch.exp(((pi - batch.mu_logp) * batch.mask).sum(1) / batch.mask.sum(1))
+    a = batch.adv
+    binds = torch.where(a > 0, r > 1 + grpo.GSPO_CLIP[1], r < 1 - grpo.GSPO_CLIP[0]) & (a != 0)
+    expected = (binds[:, None] * batch.mask).sum().item() / batch.mask.sum().item()
+    opt, scaler = torch.optim.SGD(model.parameters(), lr=0.1), prec.grad_scaler()
+    stats = grpo.grpo_step(model, opt, scaler, prec, batch, pi, grpo.Update("gspo", bypass=True), 0)
+    assert 0 < expected < 1
+    assert stats["clip_frac"] == pytest.approx(expected, rel=1e-12)
+    assert stats["clip_frac"] == stats["actor/pg_clipfrac"] == stats["clip_ratio/region_mean"]
+
+
 def test_minibatches_are_m_parts_even_when_m_does_not_divide_the_rows():
     """torch.chunk(4) of 6 rows gives 3 pieces; tensor_split gives 4 (2, 2, 1, 1), every row once."""
-    args = SimpleNamespace(minibatches=4, seed=0)
-    parts = grpo.minibatch_rows(6, args, step=0)
+    parts = grpo.minibatch_rows(6, grpo.Update(minibatches=4, seed=0), step=0)
     assert [len(p) for p in parts] == [2, 2, 1, 1]
     assert sorted(torch.cat(parts).tolist()) == list(range(6))
 
@@ -243,12 +246,11 @@ def test_statistics_over_minibatches_are_the_whole_batchs():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_embd=64, n_head=2, n_hidden=96))
     batch, prec = tiny_batch(), get_precision("fp32", device="cpu")
-    args = SimpleNamespace(algorithm="token-tis", dr_grpo=False, max_new_tokens=6, is_cap=2.0,
-                           behavior_logp="trainer", minibatches=4, seed=0, out="-")
+    update = grpo.Update("token-tis", 2.0, bypass=False, dr_grpo=False, budget=6, minibatches=4, seed=0)
     with torch.no_grad():
         pi_old = token_logprobs(model, batch.idx)
     opt, scaler = torch.optim.SGD(model.parameters(), lr=0.1), prec.grad_scaler()
-    stats = grpo.grpo_step(model, opt, scaler, prec, batch, pi_old, args, 0, instruments)
+    stats = grpo.grpo_step(model, opt, scaler, prec, batch, pi_old, update, 0, instruments)
     tokens = batch.mask.bool() & (batch.adv != 0)[:, None]
     w = torch.exp(pi_old - batch.mu_logp)[tokens]
     assert stats["is_weight_max"] == pytest.approx(w.max().item(), rel=1e-6)
@@ -271,138 +273,3 @@ def test_nonfinite_gradient_step_is_skipped_and_weights_untouched(dtype):
     grad_norm, skipped = optimizer_step(model, opt, scaler, model(torch.ones(1, 4)).sum())  # a clean step goes through
     assert not skipped and math.isfinite(grad_norm)
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-
-
-def test_warm_start_lowers_loss(tmp_path):
-    args = tiny_args(str(tmp_path))
-    cfg = warm_start.model_config(args.n_items, args.max_new_tokens)
-    ckpt = warm_start.warm_start(cfg, args.n_items, 0, "cpu")
-    batch = task.make_splits(0, args.n_items, 8)[1](("check",), 16)
-    idx, mask, _ = pack([task.prompt_ids(p) for p, _ in batch], [task.answer_ids(a) for _, a in batch], "cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        nll = {name: -(token_logprobs(m, idx) * mask).sum().item() / mask.sum().item() for name, m in
-               (("init", GPT(cfg)), ("warm", load_hf(ckpt)))}
-    assert nll["warm"] < 0.5 * nll["init"], nll
-
-
-def test_warm_start_is_cached_per_seed(tmp_path):
-    args = tiny_args(str(tmp_path))
-    cfg = warm_start.model_config(args.n_items, args.max_new_tokens)
-    ckpt = warm_start.warm_start(cfg, args.n_items, 0, "cpu")
-    mtime = os.path.getmtime(os.path.join(ckpt, "model.safetensors"))
-    assert warm_start.warm_start(cfg, args.n_items, 0, "cpu") == ckpt  # reused, not retrained
-    assert os.path.getmtime(os.path.join(ckpt, "model.safetensors")) == mtime
-    assert warm_start.warm_start(cfg, args.n_items, 1, "cpu") != ckpt  # the cache key covers the seed
-
-
-KEYS = ["step", "reward_mean", "response_len_mean", "mismatch_k1", "mismatch_k3", "mismatch_prob_abs_max",
-        "mismatch_prob_abs_mean", "mismatch_logp_abs_mean", "grad_norm", "loss_scale", "step_skipped",
-        "time_rollout_s", "time_logprob_s", "time_train_s", "time_sync_s", "logp_mean"]
-INSTRUMENT_KEYS = ["resid_rms", "hidden_rms", "logit_rms", "logit_abs_max", "entropy_mean", "weight_rms",
-                   "clip_frac_pos", "clip_frac_neg", "clip_seq_frac", "ratio_dev_max"]
-
-
-@pytest.fixture(scope="module")
-def dtype_runs(engine, warm_dir):
-    """Three real runs of three steps, one per dtype, with the experiments' instruments on (as
-    campaign.py runs them): {dtype: rows}, in one folder for plot.py."""
-    exp = os.path.join(warm_dir, "exp")
-    os.makedirs(exp)
-    runs = {}
-    with pytest.MonkeyPatch.context() as mp:  # varied_reward, for a module-scoped fixture
-        mp.setattr(task, "reward", parity_reward)
-        for name, vllm_dtype in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")):
-            out = os.path.join(exp, f"grpo-{name}-s0")
-            args = tiny_args(warm_dir, "--dtype", name, *rl(3), "--out", out)
-            train_grpo.train(args, llm=engine(vllm_dtype), instruments=instruments, record={"machine": instruments.machine()})
-            runs[name] = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-            assert os.path.isfile(os.path.join(out, "hf", "model.safetensors"))
-    return exp, runs
-
-
-def test_real_rl_steps_in_each_dtype_order_their_mismatch(dtype_runs):
-    _, runs = dtype_runs
-    for name, rows in runs.items():
-        assert [r["step"] for r in rows] == [0, 1, 2]
-        for r in rows:
-            for k in KEYS + INSTRUMENT_KEYS:
-                assert k in r and math.isfinite(float(r[k])), (name, k)
-            assert r["grad_norm"] > 0
-        assert "eval_accuracy_before" in rows[0] and "eval_accuracy" in rows[2]
-    k3 = {name: sum(r["mismatch_k3"] for r in rows) / len(rows) for name, rows in runs.items()}
-    assert k3["fp32"] * 100 <= k3["bf16"], k3
-    assert k3["bf16"] > k3["fp16"] > 0, k3
-
-
-def test_pi_buckets_add_up_to_the_mean_mismatch(dtype_runs):
-    """The shift-share identity: mean |d| = sum over buckets of share x mean, in every row."""
-    for rows in dtype_runs[1].values():
-        for r in rows:
-            shares, sizes = r["pi_bucket_frac"], r["pi_bucket_logp_abs_mean"]
-            assert sum(shares) == pytest.approx(1.0)
-            total = sum(f * s for f, s in zip(shares, sizes) if s is not None)
-            assert total == pytest.approx(r["mismatch_logp_abs_mean"], rel=1e-9)
-
-
-def test_plot_draws_real_runs(dtype_runs, warm_dir):
-    """plot.py reads each run's variant from args.json (one seed each: no s.e.)."""
-    exp, runs = dtype_runs
-    plot.main(["experiment", exp, "--out", os.path.join(warm_dir, "exp.png")])
-    drawn = json.load(open(os.path.join(warm_dir, "exp.json")))["arms"]["grpo"]
-    assert sorted(drawn) == ["bf16", "fp16", "fp32"]
-    assert drawn["fp16"]["curves"]["reward_mean"]["mean"] == [r["reward_mean"] for r in runs["fp16"]]
-    assert open(os.path.join(warm_dir, "exp.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
-
-
-def test_paired_differences_by_hand():
-    diffs = [0.01, 0.02, -0.01, 0.02]
-    d = plot.paired([0.96, 0.97, 0.95, 0.98], [0.95, 0.95, 0.96, 0.96])
-    assert d["n"] == 4 and d["mean"] == pytest.approx(0.01)
-    assert d["se"] == pytest.approx(math.sqrt(((0.0 ** 2 + 0.01 ** 2 + 0.02 ** 2 + 0.01 ** 2) / 3) / 4))
-    # the sign-flip test by enumeration: of the 16 sign patterns of (.01, .02, -.01, .02), the means at least
-    # as far from 0 as the observed .01: .01 (as observed), .015 (-.01 flipped), .01 (the first .01 and the -.01
-    # flipped), and the 3 mirrors: 6 of 16
-    means = [abs(sum(s * x for s, x in zip(signs, diffs)) / 4) for signs in itertools.product((1, -1), repeat=4)]
-    assert d["p_sign_flip"] == sum(m >= 0.01 - 1e-12 for m in means) / 16 == 6 / 16
-    assert d["ci95"][0] < 0.01 < d["ci95"][1]
-
-
-def test_metrics_lines_are_strict_json(tmp_path):
-    rec = {"step": 3, "grad_norm": float("inf"), "loss": float("nan"), "reward_mean": 0.5, "mismatch_k3": 0.0,
-           "loss_scale": 1.0, "step_skipped": True, "time_step_s": 1.0}
-    model = torch.nn.Linear(2, 2)
-    opt = torch.optim.AdamW(model.parameters())
-    train_grpo.log_step(str(tmp_path), 3, rec, model, opt, get_precision("fp16", device="cpu").grad_scaler())
-    assert json.loads(open(tmp_path / "metrics.jsonl").read()) == {**rec, "grad_norm": None, "loss": None,
-                                                                   "nonfinite": ["grad_norm", "loss"]}
-    assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["step"] == 4  # the next step to take
-
-
-def test_engine_behavior_logp_makes_the_ratio_pi_over_mu(engine, warm_dir, varied_reward):
-    """--behavior-logp engine: pi_old is the engine's mu, so the first update's ratio pi_theta / pi_old
-    is pi / mu itself: 1 to float32 precision when both sides are fp32, visibly not in bf16."""
-    dev = {}
-    for name, vllm_dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
-        out = os.path.join(warm_dir, f"engine-{name}")
-        args = tiny_args(warm_dir, "--dtype", name, *rl(2), "--behavior-logp", "engine", "--algorithm", "gspo", "--out", out)
-        train_grpo.train(args, llm=engine(vllm_dtype), instruments=instruments)
-        rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-        assert all(math.isfinite(r["mismatch_k3"]) and "clip_frac_pos" in r for r in rows)
-        dev[name] = rows[0]["ratio_dev_max"]
-    assert dev["fp32"] < 1e-4 and dev["bf16"] > 1e-3, dev
-
-
-def test_paper_recipe_and_fixes_run_end_to_end(engine, warm_dir, varied_reward):
-    """Dr. GRPO with 4 mini-batches (the clip then acts), a bf16 trainer with an fp32 engine, and
-    bf16 with the fp32 LM head on both sides: real steps, finite metrics."""
-    for extra, llm in ((["--dr-grpo", "--minibatches", "4"], engine("bfloat16")),
-                       (["--engine-dtype", "fp32"], engine("float32")),
-                       (["--lm-head", "fp32"], engine("bfloat16", True))):
-        out = os.path.join(warm_dir, "recipe-" + "-".join(x.strip("-") for x in extra))
-        train_grpo.train(tiny_args(warm_dir, "--dtype", "bf16", *rl(2), *extra, "--out", out), llm=llm,
-                         instruments=instruments)
-        rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-        assert len(rows) == 2 and all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows), extra
-        if "--minibatches" in extra:
-            assert max(r["ratio_dev_max"] for r in rows) > 0  # later mini-batches move away from pi_old

@@ -81,7 +81,7 @@ def test_16bit_trainer_is_closer_to_a_wholly_16bit_llama_than_autocast_is(random
     ref = LlamaForCausalLM.from_pretrained(random_ckpt, dtype=prec.dtype).eval()
     with torch.no_grad():
         hf = token_logprobs(lambda x: ref(x).logits, idx)
-        full = ((token_logprobs(prec.forward(m), idx) - hf).abs() * mask).sum() / mask.sum()
+        full = ((token_logprobs(prec.logits_fn(m), idx) - hf).abs() * mask).sum() / mask.sum()
         with autocast(name, "cpu"):
             auto = ((token_logprobs(m, idx) - hf).abs() * mask).sum() / mask.sum()
     assert full < auto, (full.item(), auto.item())
@@ -98,7 +98,7 @@ def test_16bit_trainer_keeps_every_activation_in_16_bits(random_ckpt, name):
         if mod_name:
             mod.register_forward_hook(lambda mod, inp, out, mod_name=mod_name: seen.update({mod_name: out.dtype}))
     idx = torch.randint(0, task.VOCAB_SIZE, (2, 16), generator=torch.Generator().manual_seed(0))
-    logits = prec.forward(m)(idx)
+    logits = prec.logits_fn(m)(idx)
     assert logits.dtype == prec.dtype and set(seen.values()) == {prec.dtype}, seen
     assert {"embed_tokens", "layers.0.self_attn", "layers.0.mlp", "layers.3", "norm"} <= set(seen)
     with pytest.raises(RuntimeError, match="float32"):
@@ -116,7 +116,7 @@ def test_fp32_head_is_the_cast_path_vllm_runs(random_ckpt, name):
     hidden = {}
     m.norm.register_forward_hook(lambda mod, inp, out: hidden.update(h=out))
     with torch.no_grad():
-        logits = prec.forward(m)(idx)
+        logits = prec.logits_fn(m)(idx)
     by_hand = hidden["h"].float() @ m.lm_head.weight.to(prec.dtype).float().T
     assert logits.dtype == torch.float32 and hidden["h"].dtype == prec.dtype
     assert torch.allclose(logits, by_hand, rtol=1e-6, atol=1e-6)

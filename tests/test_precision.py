@@ -15,13 +15,6 @@ def test_one_flag_decides_both_sides_and_the_engine_can_differ():
     assert (q.dtype, q.engine_dtype, q.vllm_dtype, q.head_fp32) == (torch.bfloat16, torch.float32, "float32", True)
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp32"])
-def test_the_scaler_passes_straight_through_outside_fp16(name):
-    scaler = get_precision(name, device="cpu").grad_scaler()
-    loss = torch.tensor(3.0)
-    assert not scaler.is_enabled() and scaler.scale(loss) is loss
-
-
 def test_the_fp16_scaler_starts_at_init_scale_and_doubles_after_clean_steps():
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)

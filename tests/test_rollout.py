@@ -17,7 +17,7 @@ def engine_vs_trainer(llm, model, prec, n=4, max_tokens=32, seed=0):
     idx, mask, mu = pack([s.prompt_ids for s in samples], [s.response_ids for s in samples], "cpu",
                          [s.logprobs for s in samples])
     with torch.no_grad():
-        pi = token_logprobs(prec.forward(model), idx)
+        pi = token_logprobs(prec.logits_fn(model), idx)
     return (mu - pi).abs()[mask.bool()]
 
 
@@ -79,16 +79,10 @@ def test_fp32_head_engine_follows_trainer_only_after_sync(engine, random_ckpt):
     assert stale > 10 * before and after < stale / 10, (before, stale, after)
 
 
-def test_fp32_head_engine_makes_float32_logits(engine, random_ckpt):
-    """vLLM's head_dtype float32: the engine's logits come out float32 (its own LogitsProcessor)."""
-    llm = engine("bfloat16", True)
-    assert llm.apply_model(lambda m: m.compute_logits(torch.zeros(2, 128, dtype=torch.bfloat16)).dtype) == [torch.float32]
-
-
 def test_the_trainers_fp32_head_mirrors_the_engines(engine, random_ckpt):
     """Against the fp32-head engine, the trainer with the fp32 head is closer than the plain bf16
     trainer: the two heads compute the same thing. (Whether the fp32 head narrows bf16's mismatch at
-    all is a measurement, probe.py mismatch's paired rows, not a property.)"""
+    all is a measurement, mismatch.py's paired rows, not a property.)"""
     model, llm = load_hf(random_ckpt), engine("bfloat16", True)
     rollout.sync_weights(llm, hf_named_tensors(model), torch.bfloat16)
     means = {head: engine_vs_trainer(llm, model, get_precision("bf16", lm_head=head)).mean().item()

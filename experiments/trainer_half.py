@@ -1,0 +1,127 @@
+"""
+experiments/trainer_half.py: the trainer half alone, where vLLM is not (a GPU machine
+without it): no engine, no sampling.
+
+    python experiments/trainer_half.py --json F                      # CPU; on a GPU: both
+    python experiments/trainer_half.py --gpu-ablation both --json F  # a GPU's kernels swapped
+
+The held-out problems with their right answers, teacher-forced. Each trainer's log-probs of
+the answers against float32's on the same device, and the gradient of their mean against
+float32's (fp16 unscaled and at INIT_SCALE); on a GPU, each trainer on the tensor cores
+against the same trainer on this machine's CPU, where precision.py emulates them. Near 0
+there, next to the 16-bit error: the emulation computes what the tensor cores compute.
+--gpu-ablation swaps the GPU's kernels that may differ from the emulation's, one or both.
+No figure: the tables, and results/<GPU machine>/trainer*.json (experiments/chips.md).
+"""
+from contextlib import nullcontext
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import common
+import task
+from common import machine_line
+from instruments import machine
+from model import load_hf, pack
+from offline import (DTYPES, base_parser, finish, flat_grad, layer_errors, parse,
+                     trainer_logprobs, underflow)
+from precision import INIT_SCALE, get_precision
+from precision import mismatch_metrics as basic_metrics
+from warm_start import model_config, warm_start
+
+CUDA_FLAGS = ("allow_tf32", "allow_fp16_reduced_precision_reduction",
+              "allow_bf16_reduced_precision_reduction")  # cuBLAS's: what a GPU computes
+KEYS = ["mismatch_k3", "mismatch_logp_abs_mean", "mismatch_prob_abs_max",
+        "mismatch_seq_logratio_abs"]
+
+def trainer(args, engine=None):
+    """The tables of the module docstring; `engine` is never used (there is none)."""
+    device = get_precision("fp32").device
+    cfg = model_config(args.n_items, args.max_new_tokens)
+    ckpt = args.init or warm_start(cfg, args.n_items, args.seed, device)
+    problems = task.make_splits(args.seed, args.n_items, task.N_EVAL)[0]
+    prompts = [task.prompt_ids(p) for p, _ in problems]
+    answers = [task.answer_ids(a) for _, a in problems]
+    if args.gpu_ablation in ("full-reduction", "both"):  # 16-bit GEMMs reduce in float32 alone
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    math_attention = args.gpu_ablation in ("math-attention", "both")
+    logp, rows, grads, layers = {}, [], [], {}
+    for dev in ("cpu", "cuda") if device == "cuda" else ("cpu",):
+        model, (idx, mask, _) = load_hf(ckpt, dev).eval(), pack(prompts, answers, dev)
+        on_math = math_attention and dev == "cuda"  # SDPA's plain kernel: matmul, softmax, matmul
+        with sdpa_kernel(SDPBackend.MATH) if on_math else nullcontext():
+            with torch.no_grad():
+                for mode in DTYPES:
+                    logp[dev, mode] = trainer_logprobs(model, mode, idx, dev).cpu()
+            layers[dev] = layer_errors(model, DTYPES[1:], idx, mask, dev)
+            grads += gradient_errors(model, idx, mask, dev)
+        mask = mask.cpu()
+        for mode in DTYPES[1:]:  # the 16-bit trainer (pi) against float32 (in mu's place)
+            metrics = basic_metrics(logp[dev, "fp32"], logp[dev, mode], mask)
+            rows.append({"device": dev, "trainer": mode, **metrics})
+    cross = []  # on a GPU: the CPU's (in mu's place) against the GPU's
+    for mode in DTYPES if device == "cuda" else ():
+        metrics = basic_metrics(logp["cpu", mode], logp["cuda", mode], mask)
+        cross.append({"trainer": mode, **metrics})
+    flags = {f: getattr(torch.backends.cuda.matmul, f) for f in CUDA_FLAGS}
+    result = {"experiment": "trainer", "checkpoint": ckpt, "machine": machine(),
+              "problems": len(problems), "tokens": int(mask.sum()), "cuda_matmul": flags,
+              "gpu_ablation": args.gpu_ablation, "rows": rows, "cross_rows": cross,
+              "layers": layers, "grads": grads}
+    print_trainer(result)
+    return result
+
+def gradient_errors(model, idx, mask, dev):
+    """The gradient of the answers' mean log-prob (the SFT's) from each 16-bit trainer against
+    float32's: its relative error, and the share of entries non-zero there stored as 0."""
+    def mean_logp(mode):
+        return (trainer_logprobs(model, mode, idx, dev) * mask).sum() / mask.sum()
+
+    exact, rows = flat_grad(model, mean_logp("fp32")), []
+    for mode, scale in [("bf16", 1.0), ("fp16", 1.0), ("fp16", INIT_SCALE)]:
+        g = flat_grad(model, mean_logp(mode) * scale) / scale
+        rows.append({"device": dev, "trainer": mode, "loss_scale": scale,
+                     "weight_grad_zero": underflow(g, exact)[0],
+                     "rel_error": ((g - exact).norm() / exact.norm()).item()})
+    return rows
+
+def print_trainer(result):
+    head = " ".join(f"{k[9:]:>17}" for k in KEYS)
+    print(f"\nthe trainer half on {result['checkpoint']}: {result['problems']} held-out "
+          f"problems' answers, {result['tokens']} tokens, --gpu-ablation "
+          f"{result['gpu_ablation']}\n{machine_line(result['machine'])}\n"
+          f"\neach 16-bit trainer against float32 on the same device\n"
+          f"{'device':7} {'trainer':8} {head}")
+    for r in result["rows"]:
+        values = " ".join(f"{r[k]:>17.3e}" for k in KEYS)
+        print(f"{r['device']:7} {r['trainer']:8} {values}")
+    if result["cross_rows"]:
+        print(f"\nthe GPU against the CPU, same trainer (cuBLAS {result['cuda_matmul']})\n"
+              f"{'':7} {'trainer':8} {head}")
+    for r in result["cross_rows"]:
+        print(f"{'':7} {r['trainer']:8} " + " ".join(f"{r[k]:>17.3e}" for k in KEYS))
+    print("\nwhere the error enters: RMS of (mode - fp32) over RMS of fp32, block by block, "
+          "norm, logits")
+    for dev, modes in result["layers"].items():
+        for mode, errs in modes.items():
+            print(f"{dev:7} {mode:8} " + " ".join(f"{e:>9.2e}" for e in errs))
+    print("\nthe gradient of the answers' mean log-prob against float32's\n"
+          f"{'device':7} {'trainer':8} {'scale':>9} {'weight grad 0':>14} {'rel. error':>11}")
+    for g in result["grads"]:
+        print(f"{g['device']:7} {g['trainer']:8} {g['loss_scale']:>9.0f} "
+              f"{g['weight_grad_zero']:>14.2%} {g['rel_error']:>11.2e}")
+
+def main(argv=None, engine=None):
+    p = base_parser("the trainer half, no engine: the GPU against the CPU (the docstring)")
+    ablations = ["none", "full-reduction", "math-attention", "both"]
+    p.add_argument("--gpu-ablation", choices=ablations, default="none",
+                   help="on a GPU: cuBLAS's 16-bit reductions off, and/or attention on "
+                   "SDPA's math kernel")
+    args = parse(p, argv)
+    if args.gpu_ablation != "none" and not torch.cuda.is_available():
+        common.refuse("--gpu-ablation: the trainer half, on a GPU (none here)")
+    return finish(args, trainer(args, engine))
+
+if __name__ == "__main__":
+    main()

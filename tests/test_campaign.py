@@ -1,0 +1,102 @@
+"""experiments/campaign.py and plans.py: the runner in fresh processes (once, skipped when done,
+resumed), a dirty tree refused or its diff kept, and the plans' runs well formed."""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import campaign
+import plans
+import train_grpo
+import warm_start
+from conftest import ROOT, tiny_args
+from instruments import machine
+
+
+def test_campaign_runs_once_skips_what_is_done_and_resumes(warm_dir, tmp_path):
+    """The runner in fresh processes on a one-run plan: the run's small files land in
+    results/<machine>/NAME; run again, nothing runs; with its results gone but its checkpoint there,
+    it is resumed (no step redone) and its files come back identical."""
+    args = tiny_args(warm_dir, "--out", os.path.join(warm_dir, "campaign-source"))
+    init = warm_start.warm_start(warm_start.model_config(args.n_items, args.max_new_tokens), args.n_items, 0, "cpu")
+    cmd = [sys.executable, "experiments/campaign.py", "--plan", "smoke", "--seeds", "0", "--samples", "1",
+           "--runs", str(tmp_path / "runs"), "--results", str(tmp_path / "results"), "--allow-dirty",
+           "--", "--steps", "2", "--batch-size", "4", "--group-size", "4", "--init", init]
+    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    kept = tmp_path / "results" / campaign.machine_group(machine()) / "grpo-fp32-s0"
+    files = ["args.json", "heldout.json", "metrics.jsonl"] + ["diff.patch"] * bool(campaign.tree_diff())
+    assert "1 runs, 0 done" in first and sorted(os.listdir(kept)) == sorted(files)  # dirty: its diff
+    metrics = (kept / "metrics.jsonl").read_text()
+    assert [json.loads(r)["step"] for r in metrics.splitlines()] == [0, 1]
+    # The record tells two CPU generations apart where a VM masks the model name (x86 Linux).
+    recorded = json.loads((kept / "args.json").read_text())["machine"]
+    if os.path.isfile("/proc/cpuinfo") and "cpu family" in open("/proc/cpuinfo").read():
+        assert [part.isdigit() for part in recorded["cpu_id"].split("/")] == [True] * 3, recorded
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "1 runs, 1 done" in again and "[1/1]" not in again
+    for f in os.listdir(kept):
+        os.remove(kept / f)
+    os.rmdir(kept)
+    resumed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "resuming" in resumed and (kept / "metrics.jsonl").read_text() == metrics
+    subprocess.run(cmd[:2] + ["--stop-after", "1"] + cmd[2:], cwd=ROOT, capture_output=True, text=True, check=True)
+    stopped = kept.parent / "step1" / "grpo-fp32-s0"  # the same run ended after its first update, read
+    assert json.loads((stopped / "args.json").read_text())["stop_after"] == 1 and (stopped / "heldout.json").is_file()
+    def same(row):
+        return {k: v for k, v in json.loads(row).items() if not k.startswith("time_") and "per_s" not in k}
+    assert [same(r) for r in (stopped / "metrics.jsonl").read_text().splitlines()] == [same(metrics.splitlines()[0])]
+
+
+def test_a_dirty_tree_is_refused_and_allow_dirty_keeps_the_diff(tmp_path, monkeypatch, capsys):
+    """Uncommitted changes to tracked files: refused in one line before any run; with --allow-dirty
+    each run's results hold the diff beside its files (a result names the code that made it)."""
+    monkeypatch.setattr(campaign, "tree_diff", lambda: "diff --git a/grpo.py b/grpo.py\n")
+    argv = ["--plan", "smoke", "--seeds", "0", "--runs", str(tmp_path / "runs"),
+            "--results", str(tmp_path / "results")]
+    with pytest.raises(SystemExit) as e:
+        campaign.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "--allow-dirty" in err, err
+    assert not (tmp_path / "results").exists()
+    run = tmp_path / "runs" / "grpo-fp32-s0"  # a finished run's files, as train and heldout leave them
+    run.mkdir(parents=True)
+    for f in ("args.json", "metrics.jsonl", "heldout.json"):
+        (run / f).write_text("{}\n")
+    monkeypatch.setattr(campaign, "commands", lambda *a: [])  # nothing to train or read
+    campaign.main(argv + ["--allow-dirty"])
+    kept = tmp_path / "results" / campaign.machine_group(machine()) / "grpo-fp32-s0"
+    assert (kept / "diff.patch").read_text() == "diff --git a/grpo.py b/grpo.py\n"
+
+
+@pytest.mark.parametrize("plan", list(plans.PLANS))
+def test_every_plan_names_each_run_once_and_the_trainer_takes_its_flags(plan, tmp_path):
+    """Each (arm, variant, seed) once; every run's flags pass train_grpo's own checks (a refused
+    combination, such as token-tis with the engine's pi_old, would stop the campaign mid-plan);
+    every dosed run has its dose 0 (the same arm's aligned run, same seed) in the same plan."""
+    runs = plans.plan_runs(plan, [0, 1])
+    names = [name for name, _, _ in runs]
+    assert len(names) == len(set(names)) > 0
+    for name, flags, dial in runs:
+        args = train_grpo.get_args([*flags, "--out", str(tmp_path / name)])
+        assert args.seed == int(name.rsplit("-s", 1)[1])
+        if dial:
+            dose0 = name.split("-dial")[0] + "-s" + name.rsplit("-s", 1)[1]
+            assert dose0 in names, (plan, name)
+
+
+def test_the_commands_read_a_run_at_its_own_length_and_probe_only_the_campaigns_arms(tmp_path):
+    """A 20-item run's held-out reading uses 20-item problems and its seed; a 12-item run's the
+    default; the cross-probe reads gspo-engine's campaign runs, not its dial or length runs."""
+    args = argparse.Namespace(runs=str(tmp_path), stop_after=None, extra=[], samples=8)
+    runs = dict((n, f) for n, f, _ in plans.plan_runs("dial-length", [3]))
+    name = "gspo-engine-len20-bf16-aligned-dial10-uniform-s3"
+    steps = campaign.commands(name, runs[name], [], args, str(tmp_path))
+    heldout = next(s for s in steps if "experiments/heldout.py" in s)
+    assert heldout[heldout.index("--n-items") + 1] == "20" and heldout[heldout.index("--seed") + 1] == "3"
+    plain = campaign.commands("grpo-bf16-s0", ["--seed", "0"], [], args, str(tmp_path))
+    assert "--n-items" not in next(s for s in plain if "experiments/heldout.py" in s)
+    assert not plans.probed("gspo-engine-len20-bf16-aligned-s0") and plans.probed("gspo-engine-bf16-s0")
+    assert not plans.probed("gspo-engine-bf16-aligned-dial10-uniform-s0")

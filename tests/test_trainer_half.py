@@ -1,0 +1,24 @@
+"""experiments/trainer_half.py: the trainer half with no engine orders the formats."""
+import pytest
+
+import task
+import trainer_half
+from precision import INIT_SCALE
+
+
+def test_trainer_half_needs_no_engine_and_orders_the_formats():
+    """trainer_half.py (the GPU check where vLLM is not): the held-out answers' tokens, each 16-bit
+    trainer against float32 on this CPU; fp16's log-prob error and its logits' are a fraction of
+    bf16's; the loss scale brings fp16's gradient nearer float32's; no GPU, so no cross rows and no
+    --gpu-ablation."""
+    result = trainer_half.main([])
+    assert result["tokens"] == task.N_EVAL * (2 * 12 - 1 + 1) and not result["cross_rows"]
+    err = {r["trainer"]: r["mismatch_logp_abs_mean"] for r in result["rows"] if r["device"] == "cpu"}
+    assert 0 < 2 * err["fp16"] < err["bf16"], err
+    layers = result["layers"]["cpu"]
+    assert all(0 < e < 1 for e in layers["bf16"] + layers["fp16"]) and layers["fp16"][-1] < layers["bf16"][-1]
+    grads = {(g["trainer"], g["loss_scale"]): g for g in result["grads"]}
+    assert grads["fp16", INIT_SCALE]["rel_error"] < grads["fp16", 1.0]["rel_error"], grads
+    with pytest.raises(SystemExit) as refused:  # the GPU's kernels swapped: on a GPU alone
+        trainer_half.main(["--gpu-ablation", "both"])
+    assert refused.value.code == 2 and result["gpu_ablation"] == "none"
