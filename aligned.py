@@ -21,7 +21,7 @@ vLLM 0.32 runs for a Llama on a CPU (found with torch.profiler around a prefill)
 It teaches: the mismatch is two implementations of one function; run one and it is 0. What
 remains is the 16-bit format's own rounding, now the same on both sides, and batch variance:
 oneDNN's bf16 GEMM rounds some rows otherwise at a few batch sizes (3 of 259 for the LM
-head), so a token the engine computed in such a batch differs (experiments/README.md, 7).
+head), so a token the engine computed in such a batch differs (experiments/aligned.md).
 Left out: GPUs (other kernels; there vLLM's batch-invariant mode and TorchTitan do this), the
 fp32 LM head, models other than model.py's. tests/test_aligned.py checks values and gradients.
 """

@@ -141,7 +141,7 @@ def mismatch_metrics(mu_logp, pi_logp, mask):
 
 def framework_metrics(mu, pi, m):
     """verl's and TRL's names for the mismatch, computed as they compute it (float32, their
-    formulas and means): hold their dashboards against ours (experiments/README.md)."""
+    formulas and means): hold their dashboards against ours (experiments/mismatch.md)."""
     log_ratio, on = (pi - mu) * m, m.bool()  # verl's log(pi_train / pi_rollout)
     k3 = (torch.exp(log_ratio) - log_ratio - 1) * m  # as verl: at 1e-8 it reads float32 rounding
     return {"rollout_corr/k3_kl": (k3.sum() / (m.sum() + 1e-8)).item(),  # verl_F.masked_mean

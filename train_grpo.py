@@ -182,7 +182,7 @@ def train(args, llm=None, instruments=None, record=None, until=None, more=None):
         skips = skips + 1 if stats["step_skipped"] else 0
         if skips > MAX_SKIPS:
             stop(args, step, f"{skips} consecutive fp16 steps skipped for inf/nan gradients")
-    save_hf(model, os.path.join(args.out, "hf"))  # the policy, for experiments/probe.py
+    save_hf(model, os.path.join(args.out, "hf"))  # the policy, for experiments/heldout.py
     rows = [json.loads(line) for line in open(os.path.join(args.out, "metrics.jsonl"))][-10:]
     last10 = sum(r["reward_mean"] for r in rows) / len(rows)
     print(f"held-out accuracy {rows[-1].get('eval_accuracy')} | last-10 reward {last10:.4f}")

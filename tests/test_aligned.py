@@ -20,7 +20,7 @@ def test_aligned_logprobs_equal_the_engines(engine, random_ckpt, name):
     """On the engine's samples, the aligned trainer's log-probs equal the engine's, as it sampled them
     (decode) and as it scores them (prefill, prompt_logprobs): every token in fp16 (torch's GEMM, batch-
     invariant here); in bf16 all but the few the engine itself computed in a batch whose size makes
-    oneDNN's GEMM round otherwise (docs: experiments/README.md section 7), each of those within the
+    oneDNN's GEMM round otherwise (docs: experiments/aligned.md), each of those within the
     emulated trainer's mismatch. The emulated trainer is off everywhere."""
     model, aligned_prec, plain_prec = load_hf(random_ckpt), get_precision(name, kernels="engine"), get_precision(name)
     llm = engine(aligned_prec.vllm_dtype)
