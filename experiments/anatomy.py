@@ -1,0 +1,136 @@
+"""
+experiments/anatomy.py: the anatomy of the log-prob mismatch, on identical tokens. Is the
+engine's bf16 error noise, or a bias, and of which kind?
+
+    python experiments/anatomy.py --json results/MACHINE/anatomy.json       # the warm start
+    python experiments/anatomy.py --init DIR --json F                         # a run's policy
+
+The fp32 engine samples --group-size responses to each held-out prompt from fixed weights;
+every engine variant scores those same tokens by prefill (mu), and the bf16 trainer scores them
+(pi). With d = log mu - log pi a token, per variant:
+  by bucket of pi   the signed mean of d, a 95 % t interval over sequences (each sequence's
+                    tokens in the bucket averaged first: tokens of a sequence are not independent)
+  temperature       the first-order fit d = (tau - 1) h, h = E_pi[z] - z_y (z: the float32
+                    trainer's logits): tau > 1, the engine flatter than the trainer
+  along a sequence  the correlation of d at neighbouring positions
+  GSPO's window     each sequence's first-update log-ratio, mean_t (log pi - log mu), against
+                    GSPO's clip [log(1 - 3e-4), log(1 + 4e-4)]: the share outside as measured,
+                    with the bias (the mean over sequences) removed, and the bias alone
+The variants: bf16 and fp16, each on the kernels vLLM's loader picked for this chip (the
+library's own rounding: rounding.py). Page: rounding.md.
+"""
+import math
+
+import numpy as np
+import torch
+
+import common
+from common import PI_EDGES, t_quantile
+from grpo import GSPO_CLIP
+from instruments import machine
+from offline import (base_parser, finish, heldout_prompts, parse, prefill, sample, setup,
+                     trainer_logprobs)
+
+# The rotary embedding on torch (custom_ops "-rotary_embedding") is not a variant here: vLLM
+# caches the first engine's compilation config for the whole process, so that engine needs a
+# process of its own, and the same tokens would have to come from a file.
+VARIANTS = ("bf16", "fp16")  # each on the kernels vLLM's loader picked for this chip
+FOLDS = 16  # the jackknife's groups of sequences, for tau's interval
+
+def by_bucket(d, pi, mask):
+    """The signed mean of d per bucket of pi, with a t interval over sequences."""
+    rows = []
+    for lo, hi in zip(PI_EDGES[:-1], PI_EDGES[1:]):
+        inside = mask.bool() & (pi >= lo) & ((pi <= hi) if hi == 1.0 else (pi < hi))
+        per_seq = [d[i][inside[i]].mean().item() for i in range(len(d)) if inside[i].any()]
+        m, se = common.mean_se(per_seq) if len(per_seq) > 1 else (None, None)
+        half = t_quantile(len(per_seq) - 1) * se if se else None
+        rows.append({"pi": [lo, hi], "tokens": int(inside.sum()), "sequences": len(per_seq),
+                     "mean": m, "ci95": [m - half, m + half] if half else None})
+    return rows
+
+def temperature(d, logits, idx, mask):
+    """tau from d = (tau - 1) h, least squares over response tokens, h = E_p[z] - z_y, with a
+    95 % jackknife interval over FOLDS groups of sequences."""
+    z = logits.double()
+    h = (torch.softmax(z, -1) * z).sum(-1) - torch.gather(z, -1, idx[:, 1:, None]).squeeze(-1)
+    dh, hh = ((d.double() * h * mask).sum(1), (h * h * mask).sum(1))  # per sequence
+
+    def fit(keep):
+        return 1.0 + float(dh[keep].sum() / hh[keep].sum())
+
+    folds = torch.arange(len(d)) % FOLDS
+    leave = np.array([fit(folds != f) for f in range(FOLDS)])
+    se = math.sqrt((FOLDS - 1) / FOLDS * ((leave - leave.mean()) ** 2).sum())
+    tau, half = fit(torch.ones(len(d), dtype=torch.bool)), t_quantile(FOLDS - 1) * se
+    return {"tau": tau, "ci95": [tau - half, tau + half]}
+
+def lag1(d, mask):
+    """The correlation of d at neighbouring response positions, over every pair."""
+    both = (mask[:, 1:] * mask[:, :-1]).bool()
+    a, b = d[:, :-1][both].double().numpy(), d[:, 1:][both].double().numpy()
+    return float(np.corrcoef(a, b)[0, 1])
+
+def window(d, mask):
+    """GSPO's first-update log-ratio per sequence against its clip: the share outside."""
+    lo, hi = math.log(1 - GSPO_CLIP[0]), math.log(1 + GSPO_CLIP[1])
+    m = (-(d * mask).sum(1) / mask.sum(1)).double()  # mean_t (log pi - log mu)
+    bias = m.mean().item()
+
+    def outside(x):
+        return ((x < lo) | (x > hi)).double().mean().item()
+    return {"seq_logratio_mean": bias, "seq_logratio_sd": m.std().item(),
+            "outside": outside(m), "outside_noise_alone": outside(m - bias),
+            "outside_bias_alone": float(not lo <= bias <= hi)}
+
+def anatomy(args, engine=None):
+    ckpt, model, device, get_engine = setup(args, engine)
+    prompts = heldout_prompts(args)
+    samples, idx, mask, _, _ = sample(get_engine("fp32"), prompts, args.group_size, args, device)
+    with torch.no_grad():
+        logits = model(idx[:, :-1]).float()  # the float32 trainer: the temperature's z
+    rows = {}
+    for name in VARIANTS:
+        mu = prefill(get_engine(name), samples, device)
+        with torch.no_grad():
+            pi = trainer_logprobs(model, name, idx, device)
+        d = (mu - pi) * mask
+        n = mask.sum()
+        rows[name] = {"logp_abs_mean": (d.abs().sum() / n).item(),
+                      "signed_mean": (d.sum() / n).item(),
+                      "by_pi": by_bucket(d, pi.exp(), mask),
+                      "tau": temperature(d, logits, idx, mask),
+                      "lag1_correlation": lag1(d, mask), "gspo_window": window(d, mask)}
+    result = {"experiment": "anatomy", "checkpoint": ckpt, "machine": machine(),
+              "sequences": len(samples), "tokens": int(mask.sum()), "variants": rows}
+    print_anatomy(result)
+    return result
+
+def print_anatomy(result):
+    print(f"\nthe mismatch on identical tokens ({result['sequences']} sequences, "
+          f"{result['tokens']} tokens) of {result['checkpoint']}\n"
+          f"{common.machine_line(result['machine'])}\n")
+    print("| engine | mean \\|d\\| | signed mean d | tau [95 % CI] | lag-1 correlation | "
+          "sequence log-ratio: mean, sd | outside GSPO's clip: measured, noise alone, bias alone |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in result["variants"].items():
+        w, t = r["gspo_window"], r["tau"]
+        print(f"| {name} | {r['logp_abs_mean']:.3e} | {r['signed_mean']:+.3e} | {t['tau']:.5f} "
+              f"[{t['ci95'][0]:.5f}, {t['ci95'][1]:.5f}] | {r['lag1_correlation']:+.3f} | "
+              f"{w['seq_logratio_mean']:+.2e}, {w['seq_logratio_sd']:.2e} | {w['outside']:.3f}, "
+              f"{w['outside_noise_alone']:.3f}, {w['outside_bias_alone']:.0f} |")
+    buckets = [f"pi in [{lo}, {hi})" for lo, hi in zip(PI_EDGES[:-1], PI_EDGES[1:])]
+    print("\nsigned mean d by bucket of pi [95 % CI over sequences] (tokens)\n\n| engine | "
+          + " | ".join(buckets) + " |\n|---|" + "---|" * len(buckets))
+    for name, r in result["variants"].items():
+        cells = [f"{b['mean']:+.2e} [{b['ci95'][0]:+.2e}, {b['ci95'][1]:+.2e}] ({b['tokens']})"
+                 if b["ci95"] else "-" for b in r["by_pi"]]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+def main(argv=None, engine=None):
+    p = base_parser("the anatomy of the mismatch on identical tokens (the docstring)")
+    args = parse(p, argv)
+    return finish(args, anatomy(args, engine))
+
+if __name__ == "__main__":
+    main()
