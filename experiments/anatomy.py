@@ -6,8 +6,8 @@ engine's bf16 error noise, or a bias, and of which kind?
     python experiments/anatomy.py --init DIR --json F                         # a run's policy
 
 The fp32 engine samples --group-size responses to each held-out prompt from fixed weights;
-every engine variant scores those same tokens by prefill (mu), and the bf16 trainer scores them
-(pi). With d = log mu - log pi a token, per variant:
+every engine variant scores those same tokens by prefill (mu), and the trainer in the same
+dtype scores them (pi). With d = log mu - log pi a token, per variant:
   by bucket of pi   the signed mean of d, a 95 % t interval over sequences (each sequence's
                     tokens in the bucket averaged first: tokens of a sequence are not independent)
   temperature       the first-order fit d = (tau - 1) h, h = E_pi[z] - z_y (z: the float32
@@ -84,6 +84,7 @@ def window(d, mask):
             "outside_bias_alone": float(not lo <= bias <= hi)}
 
 def anatomy(args, engine=None):
+    """Every variant's figures on the fp32 engine's samples (the module docstring)."""
     ckpt, model, device, get_engine = setup(args, engine)
     prompts = heldout_prompts(args)
     samples, idx, mask, _, _ = sample(get_engine("fp32"), prompts, args.group_size, args, device)
