@@ -27,8 +27,8 @@ import torch
 import common
 from common import PI_EDGES, t_quantile
 from grpo import GSPO_CLIP
-from instruments import machine
-from offline import (base_parser, finish, heldout_prompts, parse, prefill, sample, setup,
+from instruments import buckets, machine
+from offline import (base_parser, heldout_prompts, parse, prefill, sample, setup,
                      trainer_logprobs)
 
 # The rotary embedding on torch (custom_ops "-rotary_embedding") is not a variant here: vLLM
@@ -40,8 +40,7 @@ FOLDS = 16  # the jackknife's groups of sequences, for tau's interval
 def by_bucket(d, pi, mask):
     """The signed mean of d per bucket of pi, with a t interval over sequences."""
     rows = []
-    for lo, hi in zip(PI_EDGES[:-1], PI_EDGES[1:]):
-        inside = mask.bool() & (pi >= lo) & ((pi <= hi) if hi == 1.0 else (pi < hi))
+    for lo, hi, inside in buckets(pi, mask):
         per_seq = [d[i][inside[i]].mean().item() for i in range(len(d)) if inside[i].any()]
         m, se = common.mean_se(per_seq) if len(per_seq) > 1 else (None, None)
         half = t_quantile(len(per_seq) - 1) * se if se else None
@@ -120,9 +119,9 @@ def print_anatomy(result):
               f"[{t['ci95'][0]:.5f}, {t['ci95'][1]:.5f}] | {r['lag1_correlation']:+.3f} | "
               f"{w['seq_logratio_mean']:+.2e}, {w['seq_logratio_sd']:.2e} | {w['outside']:.3f}, "
               f"{w['outside_noise_alone']:.3f}, {w['outside_bias_alone']:.0f} |")
-    buckets = [f"pi in [{lo}, {hi})" for lo, hi in zip(PI_EDGES[:-1], PI_EDGES[1:])]
+    heads = [f"pi in [{lo}, {hi})" for lo, hi in zip(PI_EDGES[:-1], PI_EDGES[1:])]
     print("\nsigned mean d by bucket of pi [95 % CI over sequences] (tokens)\n\n| engine | "
-          + " | ".join(buckets) + " |\n|---|" + "---|" * len(buckets))
+          + " | ".join(heads) + " |\n|---|" + "---|" * len(heads))
     for name, r in result["variants"].items():
         cells = [f"{b['mean']:+.2e} [{b['ci95'][0]:+.2e}, {b['ci95'][1]:+.2e}] ({b['tokens']})"
                  if b["ci95"] else "-" for b in r["by_pi"]]
@@ -131,7 +130,7 @@ def print_anatomy(result):
 def main(argv=None, engine=None):
     p = base_parser("the anatomy of the mismatch on identical tokens (the docstring)")
     args = parse(p, argv)
-    return finish(args, anatomy(args, engine))
+    return common.finish(args, anatomy(args, engine))
 
 if __name__ == "__main__":
     main()

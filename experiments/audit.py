@@ -28,7 +28,7 @@ import task
 from common import fmt, t_quantile
 from instruments import machine
 from model import token_logprobs
-from offline import DTYPES, base_parser, finish, mismatch_metrics, parse, rl_args, setup
+from offline import DTYPES, base_parser, mismatch_metrics, parse, rl_args, setup
 from precision import get_precision
 from rollout import start_engine
 from train_grpo import rollout  # the loop's step 1: a run's own batches
@@ -190,7 +190,7 @@ def main(argv=None, engine=None):
     args = parse(p, argv)
     if args.dial_doses and not (args.dial_calibration and os.path.isfile(args.dial_calibration)):
         common.refuse("--dial-doses needs --dial-calibration FILE (experiments/dial.py calibrate)")
-    return finish(args, audit(args, engine))
+    return common.finish(args, audit(args, engine))
 
 if __name__ == "__main__":
     main()

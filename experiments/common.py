@@ -58,6 +58,13 @@ def write_json(path, data):
         f.write(json.dumps(data, indent=1))
     os.replace(path + ".tmp", path)
 
+def finish(args, result):
+    """The result to --json (atomically), where one is asked for."""
+    if args.json:
+        write_json(args.json, result)
+        print(f"\nwritten to {args.json}")
+    return result
+
 def load(path):  # a JSON file, or None where there is none
     return json.load(open(path)) if os.path.isfile(path) else None
 

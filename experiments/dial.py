@@ -191,8 +191,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     args.max_new_tokens = 2 * args.n_items + 8
     common.writable(args.json)
-    common.write_json(args.json, calibrate(args))
-    print(f"written to {args.json}")
+    common.finish(args, calibrate(args))
 
 if __name__ == "__main__":
     main()

@@ -22,9 +22,8 @@ import re
 
 import numpy as np
 
-import common
 from common import fmt, holm, load, load_json, mean_se, paired, refuse
-from results import load_experiment, plt, save, variant
+from results import load_experiment, parse_runs, plt, runs_parser, save, variant
 
 DOSE0 = 0.01  # where dose 0 sits on the log axis, in units of the chip's bf16 (it has no log)
 LOSSES = (0.01, 0.05)  # the held-out losses the practitioner's table finds the dose of
@@ -314,15 +313,10 @@ def print_doses(out):
                       + " | ".join(cells) + " |")
 
 def main(argv=None):
-    p = common.parser("the mismatch dial's figure and tables (the docstring)")
-    p.add_argument("path", help="a folder of runs: results/<machine>, with its dial.json")
-    p.add_argument("--out", required=True, help="the PNG; its JSON beside it")
-    p.add_argument("--seeds", type=int, nargs="+", help="these seeds' runs alone")
-    p.add_argument("--arms", nargs="+", help="these arms alone (Holm over their tests)")
+    p = runs_parser("the mismatch dial's figure and tables (the docstring); --arms: Holm over "
+                    "their tests")
     p.add_argument("--tail", type=float, help="also count, per cell, the runs below this held-out")
-    args = p.parse_args(argv)
-    if not os.path.isdir(args.path):
-        refuse(f"{args.path} is not a folder of runs")
+    args = parse_runs(p, argv)
     out = dial_table(args.path, args.seeds, args.arms)
     fig = draw(out)
     print_tolerance(out)

@@ -16,7 +16,7 @@ import torch
 import common  # first: it puts the core on sys.path
 import task
 from instruments import machine
-from offline import base_parser, finish, parse, setup
+from offline import base_parser, parse, setup
 from rollout import generate
 
 def heldout(args, engine=None):
@@ -40,7 +40,7 @@ def main(argv=None, engine=None):
     p = base_parser("a policy's held-out accuracy, by one fp32 engine")
     p.add_argument("--samples", type=common.at_least(1), default=8, help="samples of each problem")
     args = parse(p, argv)
-    return finish(args, heldout(args, engine))
+    return common.finish(args, heldout(args, engine))
 
 if __name__ == "__main__":
     main()

@@ -50,6 +50,13 @@ def machine():
         "vllm": (vllm or [None])[0],
     }
 
+def buckets(pi, mask):
+    """(lo, hi, inside) per bucket of pi (PI_EDGES; the last holds pi = 1): the response
+    tokens whose pi falls in it."""
+    for lo, hi in zip(PI_EDGES[:-1], PI_EDGES[1:]):
+        top = pi <= hi if hi == PI_EDGES[-1] else pi < hi
+        yield lo, hi, mask.bool() & (pi >= lo) & top
+
 def pi_buckets(mu_logp, pi_logp, mask):
     """Per bucket of pi (PI_EDGES): the share of response tokens, and their mean |log mu -
     log pi| (mismatch_logp_abs_mean = the sum of share x mean). In float64."""
@@ -58,9 +65,7 @@ def pi_buckets(mu_logp, pi_logp, mask):
     n = m.sum().clamp(min=1)
     pi = pi_logp.double().exp()
     frac, size = [], []
-    for lo, hi in zip(PI_EDGES[:-1], PI_EDGES[1:]):
-        top = pi <= hi if hi == PI_EDGES[-1] else pi < hi  # the last bucket holds pi = 1
-        inside = m.bool() & (pi >= lo) & top
+    for _, _, inside in buckets(pi, m):
         count = inside.sum().item()
         frac.append(count / n.item())
         size.append(d.abs()[inside].mean().item() if count else None)

@@ -20,9 +20,9 @@ import time
 import numpy as np
 import torch
 
-from common import machine_line
+from common import finish, machine_line
 from instruments import machine
-from offline import (DTYPES, base_parser, finish, heldout_prompts, layer_errors,
+from offline import (DTYPES, base_parser, heldout_prompts, layer_errors,
                      mismatch_metrics, parse, prefill, sample, setup, trainer_logprobs)
 
 ENGINES = ("fp32", "bf16", "fp16", "bf16+head32", "fp16+head32")

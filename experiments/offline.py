@@ -137,10 +137,3 @@ def parse(p, argv):
         common.refuse(f"--init: {e}")
     common.writable(args.json)
     return args
-
-def finish(args, result):
-    """The result to --json (atomically)."""
-    if args.json:
-        common.write_json(args.json, result)
-        print(f"\nwritten to {args.json}")
-    return result

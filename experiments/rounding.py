@@ -15,11 +15,11 @@ AVX-512F, `_C_AVX2` otherwise); --library forces another where the chip can run 
 table): RMSNorm and SiLU run native torch there, so their kernels' rows are for reference.
 The result, per chip, goes to results/<machine>/rounding*.json; the page: experiments/rounding.md.
 """
-import sys
 
 import torch
 
 import common
+from instruments import machine
 
 LIBRARIES = {"_C": "avx512_bf16", "_C_AVX512": "avx512f", "_C_AVX2": "avx2"}  # and the flag
 T, H, D, HIDDEN = 64, 4, 32, 384  # tokens, heads, head size, the MLP's width (model.py)
@@ -104,7 +104,6 @@ OPS = {"linear": (linear, True), "rotary_embedding": (rotary, True),
 def probe(library=None, seed=0):
     """Every op, in bf16 and fp16, on the library loaded; log_softmax is float32 in vLLM (the
     logits upcast first: model.logprobs_of does the same), so it has no 16-bit row."""
-    from instruments import machine
     loaded, rows = load(library), {}
     for name, (op, on_path) in OPS.items():
         rows[name] = {"on_model_path": on_path}
@@ -133,16 +132,12 @@ def main(argv=None):
                    help="force this kernel library (default: the one vLLM picks)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
-    flags = open("/proc/cpuinfo").read() if sys.platform == "linux" else ""
-    if args.library and f" {LIBRARIES[args.library]} " not in flags.replace("\n", " "):
+    if args.library and LIBRARIES[args.library] not in machine()["cpu_isa"]:
         common.refuse(f"--library {args.library}: this chip has no {LIBRARIES[args.library]}")
     common.writable(args.json)
     result = probe(args.library)
     print_probe(result)
-    if args.json:
-        common.write_json(args.json, result)
-        print(f"\nwritten to {args.json}")
-    return result
+    return common.finish(args, result)
 
 if __name__ == "__main__":
     main()

@@ -16,7 +16,7 @@ import task
 from grpo import grpo_loss, loss_norm
 from instruments import machine
 from model import token_logprobs
-from offline import base_parser, finish, flat_grad, parse, rl_args, setup, underflow
+from offline import base_parser, flat_grad, parse, rl_args, setup, underflow
 from precision import INIT_SCALE, get_precision
 from train_grpo import rollout  # the loop's step 1: a run's own batches
 
@@ -75,7 +75,7 @@ def main(argv=None, engine=None):
     p.add_argument("--rl-seed", type=int, default=0, help="the batch's prompts and sampling")
     p.add_argument("--batch-size", type=common.at_least(1), default=64, help="prompts in the batch")
     args = parse(p, argv)
-    return finish(args, scaler(args, engine))
+    return common.finish(args, scaler(args, engine))
 
 if __name__ == "__main__":
     main()

@@ -23,7 +23,7 @@ import task
 from common import machine_line
 from instruments import machine
 from model import load_hf, pack
-from offline import (DTYPES, base_parser, finish, flat_grad, layer_errors, parse,
+from offline import (DTYPES, base_parser, flat_grad, layer_errors, parse,
                      trainer_logprobs, underflow)
 from precision import INIT_SCALE, get_precision
 from precision import mismatch_metrics as basic_metrics
@@ -121,7 +121,7 @@ def main(argv=None, engine=None):
     args = parse(p, argv)
     if args.gpu_ablation != "none" and not torch.cuda.is_available():
         common.refuse("--gpu-ablation: the trainer half, on a GPU (none here)")
-    return finish(args, trainer(args, engine))
+    return common.finish(args, trainer(args, engine))
 
 if __name__ == "__main__":
     main()
