@@ -15,8 +15,13 @@ go to results/<machine>/: committed, skipped next time, what the figures are dra
 <machine> is the CPU model and the ISA features vLLM's kernels read: runs are paired only
 within one machine's folder. --stop-after N ends every run after its N-th update (of its own
 schedule: its rows equal the whole run's) and reads that policy; results/<machine>/stepN/
-keeps them. A campaign refuses a tree with uncommitted changes to tracked files, unless
---allow-dirty, which keeps the diff beside each run (diff.patch): a result names its code.
+keeps them; a later stop goes on from an earlier stop's checkpoint
+where it is kept. A variant's engine options (plans.run_options) reach
+--run: the dial's dose, --library (vLLM's kernels from that library,
+rounding.py), --rotary-torch (the rotary embedding on torch's path).
+A campaign refuses a tree with uncommitted changes to tracked files,
+unless --allow-dirty, which keeps the diff beside each run
+(diff.patch): a result names its code.
 """
 import json
 import os
@@ -29,6 +34,7 @@ import time
 from common import ROOT, parser, refuse
 from instruments import machine
 from plans import PLANS, plan_runs, probed
+from rounding import LIBRARIES
 
 def machine_group(m):
     """results/ subfolder name: the CPU (or GPU) model and the ISA features, as a slug."""
@@ -58,17 +64,20 @@ def option(flags, name):
     """The value of a train_grpo.py flag in a run's flags, or None."""
     return flags[flags.index(name) + 1] if name in flags else None
 
-def commands(name, flags, dial_opts, args, results):
+def commands(name, flags, opts, args, results):
     """The commands of one run, in order: train (or resume) it, read its held-out accuracy,
     and in PROBED arms its mismatch on identical tokens (its seed's warm start's once)."""
     out, py, seed = os.path.join(args.runs, name), sys.executable, option(flags, "--seed")
+    if args.stop_after and not os.path.isdir(out) and earlier_stop(args, name):
+        skip = shutil.ignore_patterns("hf", "*.json")  # its end, its readings
+        shutil.copytree(earlier_stop(args, name), out, ignore=skip)  # resume is exact
     resume = ["--resume"] if os.path.isfile(os.path.join(out, "checkpoint.pt")) else []
     if not resume and os.path.isdir(out):
         shutil.rmtree(out)  # killed before its first checkpoint: nothing to keep
     until = ["--stop-after", str(args.stop_after)] if args.stop_after else []
-    if dial_opts:  # the chip's calibration, in its results folder (dial.py calibrate)
-        dial_opts = [*dial_opts, "--dial-calibration", os.path.join(results, "dial.json")]
-    train = [py, "experiments/campaign.py", "--run", *until, *dial_opts, "--", *flags,
+    if "--dial" in opts:  # the chip's calibration (dial.py calibrate)
+        opts = [*opts, "--dial-calibration", os.path.join(results, "dial.json")]
+    train = [py, "experiments/campaign.py", "--run", *until, *opts, "--", *flags,
              *args.extra, "--out", out, *resume]
     items = option(flags, "--n-items")
     heldout = [py, "experiments/heldout.py", "--init", os.path.join(out, "hf"), "--seed", seed,
@@ -86,9 +95,23 @@ def commands(name, flags, dial_opts, args, results):
             steps.append(probe + ["--json", warm])
     return steps
 
-def run_one(name, flags, dial_opts, args, results):
+def earlier_stop(args, name):
+    """This run's folder at the latest --stop-after below this one,
+    if kept with its checkpoint: a later stop goes on from there."""
+    base, stops = os.path.dirname(args.runs), []
+    for d in os.listdir(base) if os.path.isdir(base) else []:
+        m = re.fullmatch(r"step(\d+)", d)
+        n = int(m.group(1)) if m else args.stop_after
+        stops += [n] if n < args.stop_after else []
+    for n in sorted(stops, reverse=True):
+        folder = os.path.join(base, f"step{n}", name)
+        if finished(folder, readings_too=False):
+            return folder
+    return None
+
+def run_one(name, flags, opts, args, results):
     """One run's commands, then its small files (and the tree's diff, if any) to results."""
-    steps = commands(name, flags, dial_opts, args, results)
+    steps = commands(name, flags, opts, args, results)
     if any(subprocess.run(cmd, cwd=ROOT).returncode != 0 for cmd in steps):
         return False  # in order, stops at a failure
     out, keep = os.path.join(args.runs, name), os.path.join(results, name)
@@ -101,22 +124,32 @@ def run_one(name, flags, dial_opts, args, results):
     os.replace(keep + ".tmp", keep)  # the results folder holds whole runs only
     return True
 
-def train_run(argv, stop_after, dial=None):
+def train_run(argv, stop_after, dial=None, library=None, rotary_torch=False):
     """One run: train_grpo.py's flags, the instruments on, the machine in args.json; with
     stop_after n, ended after its n-th update on the schedule of all --steps (stop_after
     recorded), its policy in hf/ as a whole run's; with dial (dose, shape, calibration file),
-    its engine perturbed by dial.py."""
+    its engine perturbed by dial.py; with library, vLLM's kernels from
+    that library (the trainer's too, on them); with rotary_torch, the
+    rotary embedding on torch."""
     import instruments
     import train_grpo
 
     args = train_grpo.get_args(argv)
-    record, more = {"machine": machine()}, None
+    record, more = {"machine": machine()}, {}
+    if library:
+        from rounding import load  # before the engine: one a process
+
+        record["kernel_library"] = load(library)
+    if rotary_torch:  # vLLM keeps its first engine's: one a process
+        more["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
+        record["engine_custom_ops"] = ["-rotary_embedding"]
     if stop_after:
         record["stop_after"] = min(stop_after, args.steps)
     if dial:
         import dial as dial_module  # vLLM's logits processor: only when asked
 
-        more, dialed = dial_module.dial_run_args(dial[2], dial[1], dial[0])
+        dialed_engine, dialed = dial_module.dial_run_args(dial[2], dial[1], dial[0])
+        more.update(dialed_engine)
         record.update(dialed)
     train_grpo.train(args, instruments=instruments, record=record,
                      until=record.get("stop_after"), more=more)
@@ -136,6 +169,10 @@ def get_args(argv):
     p.add_argument("--dial", type=int, default=None, help="--run: the dial's dose (dial.py)")
     p.add_argument("--dial-shape", default="uniform", choices=["uniform", "bf16"])
     p.add_argument("--dial-calibration", default=None, help="--run: dial.py calibrate's JSON")
+    p.add_argument("--library", default=None, choices=list(LIBRARIES),
+                   help="--run: vLLM's kernels from this library (rounding.py)")
+    p.add_argument("--rotary-torch", action="store_true",
+                   help="--run: rotary on torch's path")
     p.add_argument("extra", nargs="*", help="after --: more train_grpo.py flags for every run")
     args = p.parse_args(argv)
     if args.samples < 1 or (args.stop_after or 1) < 1:
@@ -150,12 +187,13 @@ def main(argv=None):
     args = get_args(argv)
     if args.run:
         dial = (args.dial, args.dial_shape, args.dial_calibration) if args.dial else None
-        return train_run(args.extra, args.stop_after, dial)
+        return train_run(args.extra, args.stop_after, dial, args.library,
+                         args.rotary_torch)
     os.chdir(ROOT)
     stopped = [f"step{args.stop_after}"] if args.stop_after else []  # mid-run: their own folder
     results = os.path.join(args.results, machine_group(machine()), *stopped)
     args.runs = os.path.join(args.runs, *stopped)
-    runs = plan_runs(args.plan, args.seeds, args.arms)
+    runs = plan_runs(args.plan, args.seeds, args.arms, machine()["cpu_isa"])
     todo = [(n, f, d) for n, f, d in runs if not finished(os.path.join(results, n))]
     done = len(runs) - len(todo)
     print(f"plan {args.plan}: {len(runs)} runs, {done} done in {results}", flush=True)
@@ -172,10 +210,10 @@ def main(argv=None):
 
 def run_all(todo, total, args, results):
     timed, done = [], total - len(todo)
-    for i, (name, flags, dial_opts) in enumerate(todo):
+    for i, (name, flags, opts) in enumerate(todo):
         t0 = time.time()
         print(f"[{done + i + 1}/{total}] {name}", flush=True)
-        if not run_one(name, flags, dial_opts, args, results):
+        if not run_one(name, flags, opts, args, results):
             print(f"campaign: {name} failed (its output is above); going on with the next run",
                   flush=True)
             continue

@@ -87,6 +87,22 @@ PLANS["dial-patches"] = by_dose(PATCH_ARMS, PATCH_DOSES)
 # did not recover from the dip that every seed of it shows at dose 0. Ten new seeds at dose 0
 # and that dose: --seeds 5 6 7 8 9 10 11 12 13 14.
 PLANS["dial-tail"] = [("drgrpo-mb4", ["bf16-aligned", "bf16-aligned-dial10-bf16"])]
+# The rounding's causal test (causal.md), one plan for every chip.
+# bf16 runs the library vLLM's loader picks: it truncates to bf16
+# without AVX-512-BF16, rounds to nearest with it. With it, the
+# -trunc variants force the truncating library; without, they would
+# repeat bf16 and bf16-aligned, and plan_runs leaves them out.
+# -rotary-torch: vLLM's rotary embedding on torch's path, which
+# rounds; a fix with no rebuild. The attention's output still truncates.
+TRUNCATING = "_C_AVX512"  # rounding.py's table: its bf16 kernels truncate
+VARIANTS["bf16-rotary-torch"] = VARIANTS["bf16-trunc"] = VARIANTS["bf16"]
+VARIANTS["bf16-trunc-aligned"] = VARIANTS["bf16-aligned"]
+ROUNDING = ["bf16", "fp16", "bf16-aligned", "bf16-rotary-torch", "bf16-trunc",
+            "bf16-trunc-aligned"]
+PLANS["rounding"] = [(arm, ROUNDING) for arm in ("gspo-engine", "grpo", "drgrpo-mb4")]
+# The anatomy along a run (anatomy.py --init):
+# seed 0's policies at --stop-after 5, 10 and 20
+PLANS["anatomy"] = [("gspo-engine", ["bf16", "bf16-aligned"])]
 # Arms whose final policies (and each seed's warm start) mismatch.py --quick also reads
 PROBED = ("gspo-engine",)
 
@@ -99,16 +115,23 @@ def probed(name):  # the dial's and the length arms' runs are read by held-out a
     arm = name.startswith(tuple(f"{arm}-" for arm in PROBED))
     return arm and "-dial" not in name and "-len" not in name
 
-def plan_runs(plan, seeds, arms=None):
-    """(name, flags, dial options) of every run: arm by arm, in an arm seed by seed: however
-    far it got, an arm's variants have the same seeds, paired."""
+def plan_runs(plan, seeds, arms=None, isa=None):
+    """(name, flags, campaign.py --run options) of every run: arm by
+    arm, in an arm seed by seed: however far it got, an arm's variants
+    have the same seeds, paired. With isa (the chip's ISA flags), the
+    -trunc variants only where the native library rounds."""
     def flags(arm, v, seed):
         return ["--seed", str(seed), *ARMS[arm], *VARIANTS[v]]
-    return [(f"{arm}-{v}-s{seed}", flags(arm, v, seed), dial_options(v))
+    def runs(v):
+        return isa is None or "-trunc" not in v or "avx512_bf16" in isa
+    return [(f"{arm}-{v}-s{seed}", flags(arm, v, seed), run_options(v))
             for arm, variants in PLANS[plan] if arm in (arms or [arm])
-            for seed in seeds for v in variants]
+            for seed in seeds for v in variants if runs(v)]
 
-def dial_options(variant):
-    """campaign.py --run's options for a dial variant: its dose and shape."""
+def run_options(variant):
+    """campaign.py --run's options for a variant: the dial's dose and
+    shape; the kernels."""
     dial = dial_of(variant)
-    return ["--dial", str(dial[0]), "--dial-shape", dial[1]] if dial else []
+    opts = ["--dial", str(dial[0]), "--dial-shape", dial[1]] if dial else []
+    opts += ["--library", TRUNCATING] if "-trunc" in variant else []
+    return opts + (["--rotary-torch"] if variant.endswith("-rotary-torch") else [])
