@@ -4,6 +4,7 @@ engine's bf16 error noise, or a bias, and of which kind?
 
     python experiments/anatomy.py --json results/MACHINE/anatomy.json       # the warm start
     python experiments/anatomy.py --init DIR --json F                         # a run's policy
+    python experiments/anatomy.py --along F1 F2 ...                # those policies, one table
 
 The fp32 engine samples --group-size responses to each held-out prompt from fixed weights;
 every engine variant scores those same tokens by prefill (mu), and the trainer in the same
@@ -127,9 +128,28 @@ def print_anatomy(result):
                  if b["ci95"] else "-" for b in r["by_pi"]]
         print(f"| {name} | " + " | ".join(cells) + " |")
 
+def print_along(paths):
+    """One row per result (a run's policy at a step): bf16's figures, and fp16's mean |d|."""
+    print("| policy | bf16 mean \\|d\\| | signed mean d | tau [95 % CI] | lag-1 | "
+          "outside GSPO's clip: measured, noise alone, bias alone | fp16 mean \\|d\\| |")
+    print("|---|---|---|---|---|---|---|")
+    for path in paths:
+        r = common.load_json(path, "anatomy.py --init DIR --json F")
+        b, f = r["variants"]["bf16"], r["variants"]["fp16"]
+        w, t = b["gspo_window"], b["tau"]
+        print(f"| {r['checkpoint']} | {b['logp_abs_mean']:.3e} | {b['signed_mean']:+.3e} | "
+              f"{t['tau']:.5f} [{t['ci95'][0]:.5f}, {t['ci95'][1]:.5f}] | "
+              f"{b['lag1_correlation']:+.3f} | {w['outside']:.3f}, "
+              f"{w['outside_noise_alone']:.3f}, {w['outside_bias_alone']:.0f} | "
+              f"{f['logp_abs_mean']:.3e} |")
+
 def main(argv=None, engine=None):
     p = base_parser("the anatomy of the mismatch on identical tokens (the docstring)")
+    p.add_argument("--along", nargs="+", default=None,
+                   help="print these results' table (a run's policies), measure nothing")
     args = parse(p, argv)
+    if args.along:
+        return print_along(args.along)
     return common.finish(args, anatomy(args, engine))
 
 if __name__ == "__main__":

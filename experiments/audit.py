@@ -29,6 +29,7 @@ from common import fmt, t_quantile
 from instruments import machine
 from model import token_logprobs
 from offline import DTYPES, base_parser, mismatch_metrics, parse, rl_args, setup
+from plans import DIAL_SHAPES
 from precision import get_precision
 from rollout import start_engine
 from train_grpo import rollout  # the loop's step 1: a run's own batches
@@ -185,7 +186,7 @@ def main(argv=None, engine=None):
     p.add_argument("--batches", type=common.at_least(5), default=20, help="independent batches (K)")
     p.add_argument("--dial-doses", type=int, nargs="+", default=None,
                    help="the mismatch dial's doses (dial.py), instead of the dtypes")
-    p.add_argument("--dial-shape", default="uniform", choices=["uniform", "bf16"])
+    p.add_argument("--dial-shape", default="uniform", choices=DIAL_SHAPES)
     p.add_argument("--dial-calibration", default=None, help="--dial-doses: dial.py's JSON")
     args = parse(p, argv)
     if args.dial_doses and not (args.dial_calibration and os.path.isfile(args.dial_calibration)):

@@ -33,7 +33,7 @@ import time
 
 from common import ROOT, parser, refuse
 from instruments import machine
-from plans import PLANS, plan_runs, probed
+from plans import DIAL_SHAPES, PLANS, plan_runs, probed
 from rounding import LIBRARIES
 
 def machine_group(m):
@@ -167,7 +167,7 @@ def get_args(argv):
     p.add_argument("--allow-dirty", action="store_true", help="keep the diff beside each run")
     p.add_argument("--run", action="store_true", help="one run of train_grpo.py's flags after --")
     p.add_argument("--dial", type=int, default=None, help="--run: the dial's dose (dial.py)")
-    p.add_argument("--dial-shape", default="uniform", choices=["uniform", "bf16"])
+    p.add_argument("--dial-shape", default="uniform", choices=DIAL_SHAPES)
     p.add_argument("--dial-calibration", default=None, help="--run: dial.py calibrate's JSON")
     p.add_argument("--library", default=None, choices=list(LIBRARIES),
                    help="--run: vLLM's kernels from this library (rounding.py)")

@@ -15,11 +15,15 @@ samples with: a dosed run draws other samples than dose 0's from its first step 
 Why a logits processor and not perturbed weights: the noise is then exactly the mismatch (no
 second path through the network), its size is set directly, and vLLM's CPU engine runs it.
 
-Two shapes, each a std for every vocabulary entry's logit, fresh Gaussian noise at every
-position (drawn from torch's generator, which train_grpo.rollout seeds every step):
-  uniform  the same std for every entry;
-  bf16     the std of an entry scaled by the chip's measured bf16 mismatch in its bucket of
-           pi (common.PI_EDGES): larger where pi is small, as bf16's is.
+Four shapes, each set by one number s (drawn from torch's generator, which
+train_grpo.rollout seeds every step):
+  uniform      Gaussian noise of std s on every entry's logit, fresh at every position;
+  bf16         the same, each entry's std scaled by the chip's measured bf16 mismatch in
+               its bucket of pi (common.PI_EDGES): larger where pi is small, as bf16's is;
+  temperature  no noise: the logits times (1 - s), an engine flatter than the trainer, a
+               bias of one sign (what a flatter attention would make);
+  persistent   noise of std s drawn once a sequence and held at all its positions: an
+               error that does not average away along the sequence.
 At dose 0 nothing is installed: the engine is exactly the aligned run's.
 
 The unit of dose is the practitioners': the mean |log mu - log pi| per sampled token on the
@@ -32,19 +36,20 @@ import math
 
 import numpy as np
 import torch
-from vllm.v1.sample.logits_processor import LogitsProcessor
+from vllm.v1.sample.logits_processor import LogitsProcessor, MoveDirectionality
 
 import common  # first: it puts the core on sys.path
 import task
 from common import PI_EDGES
 from instruments import machine, pi_buckets
+from plans import DIAL_SHAPES as SHAPES
 from model import hf_named_tensors, load_hf, pack, token_logprobs
 from precision import get_precision, mismatch_metrics
 from rollout import generate, start_engine, sync_weights
 from warm_start import model_config, warm_start
 
-SHAPES = ("uniform", "bf16")
 SIGMAS = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 0.5, 1.0, 2.0)  # the grid of logit stds
+DELTAS = (1e-5, 1e-4, 1e-3, 1e-2, 3e-2, 0.1, 0.3, 0.6)  # temperature's: below 1
 # What the processor reads: set by configure() before the engine samples (one process).
 DIAL = {"sigma": 0.0, "shape": "uniform", "profile": None}
 
@@ -52,21 +57,43 @@ class DialProcessor(LogitsProcessor):
     """Adds the dial's noise to every row of the engine's float32 logits, before sampling."""
 
     def __init__(self, vllm_config, device, is_pin_memory):
-        pass
+        self.held = {}  # persistent: a batch row's noise, for its sequence's life
 
     def is_argmax_invariant(self):
         return False  # it changes which token is likeliest
 
     def update_state(self, batch_update):
-        pass  # stateless: every row, every position the same rule
+        """persistent: follow each sequence's row (vLLM's order: removed, added, moved)."""
+        if batch_update is None:
+            return
+        for row in batch_update.removed:
+            self.held.pop(row, None)
+        for row, *_ in batch_update.added:
+            self.held[row] = None  # a new sequence: its noise drawn at its first position
+        for a, b, how in batch_update.moved:
+            if how == MoveDirectionality.SWAP:
+                self.held[a], self.held[b] = self.held.get(b), self.held.get(a)
+            else:
+                self.held[b] = self.held.pop(a, None)
 
     def apply(self, logits):
         if DIAL["sigma"] == 0.0:
             return logits
+        if DIAL["shape"] == "temperature":  # flatter by (1 - s), every row alike
+            return logits * (1.0 - DIAL["sigma"])
+        if DIAL["shape"] == "persistent":
+            return logits + DIAL["sigma"] * self.rows(logits)
         std = torch.full_like(logits, DIAL["sigma"])
         if DIAL["shape"] == "bf16":  # the std of each entry by its bucket of pi
             std = std * bucket_scale(logits.softmax(-1), DIAL["profile"])
         return logits + std * torch.randn(logits.shape, dtype=logits.dtype)
+
+    def rows(self, logits):
+        """Each row's held standard-normal noise, drawn in row order where new."""
+        for row in range(logits.shape[0]):
+            if self.held.get(row) is None:
+                self.held[row] = torch.randn(logits.shape[1], dtype=logits.dtype)
+        return torch.stack([self.held[row] for row in range(logits.shape[0])])
 
 def bucket_scale(probs, profile):
     """Each entry's scale: the profile's value in its bucket of pi (PI_EDGES, the last holds 1)."""
@@ -153,7 +180,7 @@ def calibrate(args):
     grid = {}
     for shape in SHAPES:
         grid[shape] = []
-        for sigma in SIGMAS:
+        for sigma in DELTAS if shape == "temperature" else SIGMAS:
             configure(sigma, shape, profile)
             m = measure(dialed, model, prompts, args, aligned)["mismatch_logp_abs_mean"]
             grid[shape].append([sigma, m])

@@ -23,6 +23,7 @@ import re
 import numpy as np
 
 from common import fmt, holm, load, load_json, mean_se, paired, refuse
+from plans import DIAL_SHAPES
 from results import load_experiment, parse_runs, plt, runs_parser, save, variant
 
 DOSE0 = 0.01  # where dose 0 sits on the log axis, in units of the chip's bf16 (it has no log)
@@ -89,7 +90,7 @@ def dose_cells(runs):
             m = re.fullmatch(r"bf16-aligned(?:-dial(\d+)-(\w+))?", v)
             if not m:
                 continue
-            dose, shapes = (int(m[1]), [m[2]]) if m[1] else (0, ["uniform", "bf16"])
+            dose, shapes = (int(m[1]), [m[2]]) if m[1] else (0, DIAL_SHAPES)
             cell = dose_cell(sorted(seeds, key=lambda s: s[0]))
             for shape in shapes:  # dose 0 is both shapes' control: the aligned run itself
                 cells.setdefault(shape, {}).setdefault(arm, {})[dose] = cell
@@ -149,7 +150,7 @@ def dial_table(path, seeds, arms):
         refuse(f"{path} holds no dial run (campaign.py --plan dial) beside its dose 0")
     out = {"machine": where, "unit": calibration["unit"],
            "chips": chip_marks(os.path.dirname(path)), "published": PUBLISHED, "shapes": {}}
-    for shape in (s for s in ("uniform", "bf16") if s in cells):
+    for shape in (s for s in DIAL_SHAPES if s in cells):
         out["shapes"][shape] = {"arms": {}}
         for arm, by_dose in sorted(cells[shape].items()):
             doses = sorted(by_dose)

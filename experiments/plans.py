@@ -54,15 +54,18 @@ PLANS = {  # arms in priority order, each with its variants
 # The mismatch dial (dial.py): the bf16 trainer on the engine's kernels (mismatch 0) with the
 # engine's logits perturbed, DOSE x the chip's bf16 mismatch on the warm start, in two shapes.
 DIAL_DOSES = (1, 3, 10, 30, 100)
-for shape in ("uniform", "bf16"):
+DIAL_SHAPES = ("uniform", "bf16", "temperature", "persistent")  # dial.py
+for shape in DIAL_SHAPES:
     for dose in DIAL_DOSES:
         VARIANTS[f"bf16-aligned-dial{dose}-{shape}"] = VARIANTS["bf16-aligned"]
 
-def by_dose(arms, doses, shape="uniform"):
-    """(arm, variants) of each arm at each dose, in the order given; the first (top) dose's
-    entry carries dose 0, the aligned run itself (once: both shapes' control)."""
+def by_dose(arms, doses, shape="uniform", control=None):
+    """(arm, variants) of each arm at each dose, in the order given; with control (by
+    default, the uniform shape's), the first (top) dose's entry carries dose 0, the
+    aligned run itself (once: every shape's control)."""
+    control = shape == "uniform" if control is None else control
     def first(d):
-        return ["bf16-aligned"] * (shape == "uniform" and d == doses[0])
+        return ["bf16-aligned"] * (control and d == doses[0])
     return [(arm, first(d) + [f"bf16-aligned-dial{d}-{shape}"])
             for arm in arms for d in doses]
 
@@ -103,6 +106,14 @@ PLANS["rounding"] = [(arm, ROUNDING) for arm in ("gspo-engine", "grpo", "drgrpo-
 # The anatomy along a run (anatomy.py --init):
 # seed 0's policies at --stop-after 5, 10 and 20
 PLANS["anatomy"] = [("gspo-engine", ["bf16", "bf16-aligned"])]
+# The dial with structure (dial.md): bias (temperature) and noise held
+# along a sequence (persistent) against uniform noise, at the same mean
+# |d| a token, on gspo-engine then grpo; the top dose first.
+STRUCTURE_DOSES = (10, 3, 1)
+PLANS["dial-structure"] = [
+    entry for arm in ("gspo-engine", "grpo")
+    for shape in ("temperature", "persistent", "uniform")
+    for entry in by_dose([arm], STRUCTURE_DOSES, shape, shape == "temperature")]
 # Arms whose final policies (and each seed's warm start) mismatch.py --quick also reads
 PROBED = ("gspo-engine",)
 

@@ -9,7 +9,7 @@ import dial
 import rollout
 import task
 from conftest import MAX_LEN, PROMPTS
-from model import hf_named_tensors, load_hf, pack, token_logprobs
+from model import hf_named_tensors, load_hf, logprobs_of, pack
 from precision import get_precision, mismatch_metrics
 
 
@@ -39,23 +39,52 @@ def dialed(random_ckpt):
     return rollout.start_engine(random_ckpt, "bfloat16", 0, MAX_LEN, **dial.engine_args(1.0))
 
 
-@pytest.mark.parametrize("shape", ["uniform", "bf16"])
-def test_the_engine_samples_from_the_distribution_it_reports(dialed, random_ckpt, shape):
-    """The aligned trainer's pi is the engine's own unperturbed distribution. Tokens drawn from mu
-    give E[log mu - log pi] = KL(mu || pi) > 0; had the engine drawn them from pi and only
-    reported mu, the mean would be -KL(pi || mu) < 0. The sign tells which distribution sampled."""
+def dialed_samples(dialed, random_ckpt, shape, s):
+    """(d = log mu - log pi per token, the mask, the aligned trainer's logits) of the dialed
+    engine's samples at setting s; pi is the engine's own unperturbed distribution."""
     model = load_hf(random_ckpt)
     rollout.sync_weights(dialed, hf_named_tensors(model), torch.bfloat16)
-    dial.configure(1.0, shape, [4.0, 2.0, 1.0, 0.5, 0.25])
+    dial.configure(s, shape, [4.0, 2.0, 1.0, 0.5, 0.25])
     torch.manual_seed(0)
     samples = rollout.generate(dialed, PROMPTS, 8, 24, task.EOS_ID)
     dial.configure(0.0)
     idx, mask, mu = pack([s.prompt_ids for s in samples], [s.response_ids for s in samples], "cpu",
                          [s.logprobs for s in samples])
     with torch.no_grad():
-        pi = token_logprobs(get_precision("bf16", device="cpu", kernels="engine").logits_fn(model), idx)
+        logits = get_precision("bf16", device="cpu", kernels="engine").logits_fn(model)(idx[:, :-1])
+    return mu, logprobs_of(logits, idx), mask, logits, idx
+
+
+# temperature: logits x 5, sharper; a random model's near-flat logits, flattened, hardly change
+SETTINGS = {"uniform": 1.0, "bf16": 1.0, "temperature": -4.0, "persistent": 1.0}
+
+
+@pytest.mark.parametrize("shape", list(SETTINGS))
+def test_the_engine_samples_from_the_distribution_it_reports(dialed, random_ckpt, shape):
+    """The aligned trainer's pi is the engine's own unperturbed distribution. Tokens drawn from mu
+    give E[log mu - log pi] = KL(mu || pi) > 0; had the engine drawn them from pi and only
+    reported mu, the mean would be -KL(pi || mu) < 0. The sign tells which distribution sampled."""
+    mu, pi, mask, _, _ = dialed_samples(dialed, random_ckpt, shape, SETTINGS[shape])
     d = ((mu - pi) * mask)[mask.bool()].double()
     se = d.std().item() / math.sqrt(d.numel())
     m = mismatch_metrics(mu, pi, mask)
     assert m["mismatch_logp_abs_mean"] > 0.05  # the dial is on
     assert m["mismatch_k1"] > 4 * se, (m["mismatch_k1"], se)  # drawn from mu
+
+
+def test_temperature_is_a_bias_and_persistent_noise_does_not_average_along_a_sequence(dialed, random_ckpt):
+    """temperature: d follows h = E_pi[z] - z_y with slope s to first order (a flatter engine:
+    likelier tokens lose, rarer gain). persistent: one noise a sequence, so at a std that
+    swamps the logits a sequence repeats one token, where fresh noise at each position
+    (uniform) draws a new one."""
+    mu, pi, mask, logits, idx = dialed_samples(dialed, random_ckpt, "temperature", 0.01)
+    z = logits.double()
+    h = (torch.softmax(z, -1) * z).sum(-1) - torch.gather(z, -1, idx[:, 1:, None]).squeeze(-1)
+    d, h = (mu - pi).double()[mask.bool()], h[mask.bool()]
+    assert (d * h).sum() / (h * h).sum() == pytest.approx(0.01, rel=0.1)
+    repeats = {}  # at a std far above the logits' spread, the noise picks the token
+    for shape in ("uniform", "persistent"):
+        _, _, mask, _, idx = dialed_samples(dialed, random_ckpt, shape, 5.0)
+        tokens, both = idx[:, 1:], (mask[:, 1:] * mask[:, :-1]).bool()
+        repeats[shape] = (tokens[:, 1:] == tokens[:, :-1])[both].double().mean().item()
+    assert repeats["persistent"] > 0.3 > 0.05 > repeats["uniform"], repeats  # 0.46, 0.0014 here
