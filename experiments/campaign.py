@@ -15,8 +15,8 @@ go to results/<machine>/: committed, skipped next time, what the figures are dra
 <machine> is the CPU model and the ISA features vLLM's kernels read: runs are paired only
 within one machine's folder. --stop-after N ends every run after its N-th update (of its own
 schedule: its rows equal the whole run's) and reads that policy; results/<machine>/stepN/
-keeps them; a later stop goes on from an earlier stop's checkpoint
-where it is kept. A variant's engine options (plans.run_options) reach
+keeps them; a later stop, or the whole run, goes on from an earlier
+stop's checkpoint where it is kept (resume is exact). A variant's engine options (plans.run_options) reach
 --run: the dial's dose, --library (vLLM's kernels from that library,
 rounding.py), --rotary-torch (the rotary embedding on torch's path).
 A campaign refuses a tree with uncommitted changes to tracked files,
@@ -68,7 +68,7 @@ def commands(name, flags, opts, args, results):
     """The commands of one run, in order: train (or resume) it, read its held-out accuracy,
     and in PROBED arms its mismatch on identical tokens (its seed's warm start's once)."""
     out, py, seed = os.path.join(args.runs, name), sys.executable, option(flags, "--seed")
-    if args.stop_after and not os.path.isdir(out) and earlier_stop(args, name):
+    if not os.path.isdir(out) and earlier_stop(args, name):
         skip = shutil.ignore_patterns("hf", "*.json")  # its end, its readings
         shutil.copytree(earlier_stop(args, name), out, ignore=skip)  # resume is exact
     resume = ["--resume"] if os.path.isfile(os.path.join(out, "checkpoint.pt")) else []
@@ -96,13 +96,13 @@ def commands(name, flags, opts, args, results):
     return steps
 
 def earlier_stop(args, name):
-    """This run's folder at the latest --stop-after below this one,
-    if kept with its checkpoint: a later stop goes on from there."""
-    base, stops = os.path.dirname(args.runs), []
+    """This run's folder at the latest --stop-after below this one (any,
+    for a whole run), if kept with its checkpoint: it goes on from there."""
+    base = os.path.dirname(args.runs) if args.stop_after else args.runs
+    limit, stops = args.stop_after or float("inf"), []
     for d in os.listdir(base) if os.path.isdir(base) else []:
         m = re.fullmatch(r"step(\d+)", d)
-        n = int(m.group(1)) if m else args.stop_after
-        stops += [n] if n < args.stop_after else []
+        stops += [int(m.group(1))] if m and int(m.group(1)) < limit else []
     for n in sorted(stops, reverse=True):
         folder = os.path.join(base, f"step{n}", name)
         if finished(folder, readings_too=False):

@@ -3,6 +3,7 @@ resumed), a dirty tree refused or its diff kept, and the plans' runs well formed
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -52,6 +53,11 @@ def test_campaign_runs_once_skips_what_is_done_and_resumes(warm_dir, tmp_path):
                            check=True).stdout  # goes on from step 1's checkpoint, equal to the whole run
     rows = (kept.parent / "step2" / "grpo-fp32-s0" / "metrics.jsonl").read_text().splitlines()
     assert "resuming" in later and [same(r) for r in rows] == [same(r) for r in metrics.splitlines()]
+    shutil.rmtree(kept)
+    shutil.rmtree(tmp_path / "runs" / "grpo-fp32-s0")  # the whole run again: from step 2's stop
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    rows = (kept / "metrics.jsonl").read_text().splitlines()
+    assert "resuming" in again and [same(r) for r in rows] == [same(r) for r in metrics.splitlines()]
 
 
 def test_the_rotary_on_torch_variant_runs_an_engine_closer_to_the_trainer(warm_dir, tmp_path):
