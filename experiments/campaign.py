@@ -16,9 +16,10 @@ go to results/<machine>/: committed, skipped next time, what the figures are dra
 within one machine's folder. --stop-after N ends every run after its N-th update (of its own
 schedule: its rows equal the whole run's) and reads that policy; results/<machine>/stepN/
 keeps them; a later stop, or the whole run, goes on from an earlier
-stop's checkpoint where it is kept (resume is exact). A variant's engine options (plans.run_options) reach
---run: the dial's dose, --library (vLLM's kernels from that library,
-rounding.py), --rotary-torch (the rotary embedding on torch's path).
+stop's checkpoint where it is kept (resume is exact). A variant's
+engine options (plans.run_options) reach --run: the dial's dose,
+--library (vLLM's kernels from that library, rounding.py),
+--rotary-torch (the rotary embedding on torch's path).
 A campaign refuses a tree with uncommitted changes to tracked files,
 unless --allow-dirty, which keeps the diff beside each run
 (diff.patch): a result names its code.
