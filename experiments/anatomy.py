@@ -115,18 +115,25 @@ def print_anatomy(result):
           "sequence log-ratio: mean, sd | outside GSPO's clip: measured, noise alone, bias alone |")
     print("|---|---|---|---|---|---|---|")
     for name, r in result["variants"].items():
-        w, t = r["gspo_window"], r["tau"]
-        print(f"| {name} | {r['logp_abs_mean']:.3e} | {r['signed_mean']:+.3e} | {t['tau']:.5f} "
-              f"[{t['ci95'][0]:.5f}, {t['ci95'][1]:.5f}] | {r['lag1_correlation']:+.3f} | "
-              f"{w['seq_logratio_mean']:+.2e}, {w['seq_logratio_sd']:.2e} | {w['outside']:.3f}, "
-              f"{w['outside_noise_alone']:.3f}, {w['outside_bias_alone']:.0f} |")
+        w = r["gspo_window"]
+        ratio = f"{w['seq_logratio_mean']:+.2e}, {w['seq_logratio_sd']:.2e}"
+        print(f"| {name} | " + " | ".join(cells(r, ratio)) + " |")
     heads = [f"pi in [{lo}, {hi})" for lo, hi in zip(PI_EDGES[:-1], PI_EDGES[1:])]
     print("\nsigned mean d by bucket of pi [95 % CI over sequences] (tokens)\n\n| engine | "
           + " | ".join(heads) + " |\n|---|" + "---|" * len(heads))
     for name, r in result["variants"].items():
-        cells = [f"{b['mean']:+.2e} [{b['ci95'][0]:+.2e}, {b['ci95'][1]:+.2e}] ({b['tokens']})"
+        by_pi = [f"{b['mean']:+.2e} [{b['ci95'][0]:+.2e}, {b['ci95'][1]:+.2e}] ({b['tokens']})"
                  if b["ci95"] else "-" for b in r["by_pi"]]
-        print(f"| {name} | " + " | ".join(cells) + " |")
+        print(f"| {name} | " + " | ".join(by_pi) + " |")
+
+def cells(r, *between):
+    """One variant's cells: mean |d|, signed mean, tau, lag-1, then `between`, then the
+    shares outside GSPO's clip (the anatomy's table and --along's)."""
+    w, t = r["gspo_window"], r["tau"]
+    return [f"{r['logp_abs_mean']:.3e}", f"{r['signed_mean']:+.3e}",
+            f"{t['tau']:.5f} [{t['ci95'][0]:.5f}, {t['ci95'][1]:.5f}]",
+            f"{r['lag1_correlation']:+.3f}", *between,
+            f"{w['outside']:.3f}, {w['outside_noise_alone']:.3f}, {w['outside_bias_alone']:.0f}"]
 
 def print_along(paths):
     """One row per result (a run's policy at a step): bf16's figures, and fp16's mean |d|."""
@@ -135,13 +142,9 @@ def print_along(paths):
     print("|---|---|---|---|---|---|---|")
     for path in paths:
         r = common.load_json(path, "anatomy.py --init DIR --json F")
-        b, f = r["variants"]["bf16"], r["variants"]["fp16"]
-        w, t = b["gspo_window"], b["tau"]
-        print(f"| {r['checkpoint']} | {b['logp_abs_mean']:.3e} | {b['signed_mean']:+.3e} | "
-              f"{t['tau']:.5f} [{t['ci95'][0]:.5f}, {t['ci95'][1]:.5f}] | "
-              f"{b['lag1_correlation']:+.3f} | {w['outside']:.3f}, "
-              f"{w['outside_noise_alone']:.3f}, {w['outside_bias_alone']:.0f} | "
-              f"{f['logp_abs_mean']:.3e} |")
+        fp16 = r["variants"]["fp16"]["logp_abs_mean"]
+        row = [r["checkpoint"], *cells(r["variants"]["bf16"]), f"{fp16:.3e}"]
+        print("| " + " | ".join(row) + " |")
 
 def main(argv=None, engine=None):
     p = base_parser("the anatomy of the mismatch on identical tokens (the docstring)")

@@ -15,9 +15,9 @@ curves are campaign_figure.py's). Page: experiments/causal.md.
 """
 import matplotlib.pyplot as plt
 
-from common import fmt, holm, mean_se, paired
+from common import fmt, holm, mean_se
 from plans import ROUNDING
-from results import COLORS, load_experiment, parse_runs, runs_parser, save
+from results import COLORS, load_experiment, paired_seeds, parse_runs, runs_parser, save
 
 FELL = 0.5  # a run fell: its held-out accuracy below this (the warm start's is ~0.9)
 GROWTH = 3.0  # prediction 6's factor
@@ -44,14 +44,8 @@ def arm_table(by_variant):
         cells[v] = {"seeds": [s for s, _, _ in runs], "heldout": held, "mean": m, "se": se,
                     "fell": sum(h < FELL for h in held),
                     "growth_before_fall": [growth_before_fall(rows) for _, rows, _ in runs]}
-    tests = []
-    for a, b in CONTRASTS:
-        if a in cells and b in cells:
-            both = sorted(set(cells[a]["seeds"]) & set(cells[b]["seeds"]))
-            if len(both) > 1:
-                pick = [[c["heldout"][c["seeds"].index(s)] for s in both]
-                        for c in (cells[a], cells[b])]
-                tests.append({"a": a, "b": b, "seeds": both, **paired(*pick)})
+    tests = [{"a": a, "b": b, **d} for a, b in CONTRASTS if a in cells and b in cells
+             if (d := paired_seeds(cells[a], cells[b], "heldout"))]
     return {"variants": cells, "contrasts": tests}
 
 def print_tables(out):

@@ -181,6 +181,15 @@ def warm_cell(folder, bf16):
 def pick(cell, key, seed):
     return cell.get(key, [None] * cell["n"])[cell["seeds"].index(seed)]
 
+def paired_seeds(a, b, key):
+    """a's `key` minus b's over the seeds both cells have (results.py's and the dial's
+    cells: "seeds" and a value per seed), paired; None under two seeds."""
+    both = sorted(set(a["seeds"]) & set(b["seeds"]))
+    if len(both) < 2:
+        return None
+    values = [[c[key][c["seeds"].index(s)] for s in both] for c in (a, b)]
+    return {"seeds": both, **paired(*values)}
+
 def summarize(cells, summary):
     """Each cell's mean and s.e. of the summary's figures, and each minus bf16 by seed."""
     for v, cell in cells.items():

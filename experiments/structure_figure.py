@@ -14,9 +14,9 @@ JSON beside the PNG. Page: experiments/structure.md.
 """
 import numpy as np
 
-from common import holm, paired
+from common import holm
 from dial_figure import DOSE0, dial_table
-from results import parse_runs, plt, runs_parser, save
+from results import paired_seeds, parse_runs, plt, runs_parser, save
 
 SHAPES = {"uniform": "tab:gray", "temperature": "tab:red", "persistent": "tab:blue"}
 
@@ -25,14 +25,10 @@ def against_uniform(out, arm, shape):
     cells = [out["shapes"].get(s, {}).get("arms", {}).get(arm) for s in (shape, "uniform")]
     if None in cells:
         return []
-    rows = []
-    for dose in sorted(set(cells[0]["doses"]) & set(cells[1]["doses"]) - {0}):
-        a, b = (c["cells"][str(dose)] for c in cells)
-        both = sorted(set(a["seeds"]) & set(b["seeds"]))
-        if len(both) > 1:
-            pick = [[c["heldout"][c["seeds"].index(s)] for s in both] for c in (a, b)]
-            rows.append({"arm": arm, "shape": shape, "dose": dose, **paired(*pick)})
-    return rows
+    doses = sorted(set(cells[0]["doses"]) & set(cells[1]["doses"]) - {0})
+    pairs = [(dose, [c["cells"][str(dose)] for c in cells]) for dose in doses]
+    return [{"arm": arm, "shape": shape, "dose": dose, **d} for dose, (a, b) in pairs
+            if (d := paired_seeds(a, b, "heldout"))]
 
 def draw(ax, out, arm):
     """Each shape's paired difference from dose 0 against the realised step-0 mismatch."""
