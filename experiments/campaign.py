@@ -69,13 +69,14 @@ def commands(name, flags, opts, args, results):
     """The commands of one run, in order: train (or resume) it, read its held-out accuracy,
     and in PROBED arms its mismatch on identical tokens (its seed's warm start's once)."""
     out, py, seed = os.path.join(args.runs, name), sys.executable, option(flags, "--seed")
-    stop = None if os.path.isdir(out) else earlier_stop(args, name)
+    kept = os.path.isfile(os.path.join(out, "checkpoint.pt"))
+    if not kept and os.path.isdir(out):
+        shutil.rmtree(out)  # killed before its first checkpoint: nothing to keep
+    stop = None if kept else earlier_stop(args, name)
     if stop:
         skip = shutil.ignore_patterns("hf", "*.json")  # its end, its readings
         shutil.copytree(stop, out, ignore=skip)  # resume is exact
-    resume = ["--resume"] if os.path.isfile(os.path.join(out, "checkpoint.pt")) else []
-    if not resume and os.path.isdir(out):
-        shutil.rmtree(out)  # killed before its first checkpoint: nothing to keep
+    resume = ["--resume"] if kept or stop else []
     until = ["--stop-after", str(args.stop_after)] if args.stop_after else []
     if "--dial" in opts:  # the chip's calibration (dial.py calibrate)
         opts = [*opts, "--dial-calibration", os.path.join(results, "dial.json")]

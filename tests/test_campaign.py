@@ -134,3 +134,20 @@ def test_the_commands_read_a_run_at_its_own_length_and_probe_only_the_campaigns_
     assert "--n-items" not in next(s for s in plain if "experiments/heldout.py" in s)
     assert not plans.probed("gspo-engine-len20-bf16-aligned-s0") and plans.probed("gspo-engine-bf16-s0")
     assert not plans.probed("gspo-engine-bf16-aligned-dial10-uniform-s0")
+
+def test_a_run_killed_before_its_first_checkpoint_goes_on_from_the_kept_stop(tmp_path):
+    """A run folder with its args.json only (killed before its first checkpoint) is no reason
+    to start from step 0: the earlier stop's checkpoint is copied in and resumed."""
+    name, runs = "grpo-fp32-s0", tmp_path / "runs"
+    stop = runs / "step2" / name
+    (stop / "hf").mkdir(parents=True)
+    (stop / "args.json").write_text(json.dumps({"steps": 4, "stop_after": 2}))
+    (stop / "metrics.jsonl").write_text("{}\n{}\n")
+    (stop / "hf" / "config.json").write_text("{}")
+    (stop / "checkpoint.pt").write_bytes(b"step 2")
+    (runs / name).mkdir()
+    (runs / name / "args.json").write_text("{}")  # killed here
+    args = argparse.Namespace(runs=str(runs), stop_after=None, extra=[], samples=8)
+    train = campaign.commands(name, ["--seed", "0"], [], args, str(tmp_path))[0]
+    assert train[-1] == "--resume" and (runs / name / "checkpoint.pt").read_bytes() == b"step 2"
+    assert not (runs / name / "args.json").exists()  # the stop's args are not its end's
