@@ -2,6 +2,7 @@
 experiments/dial.py: the mismatch dial. A controlled mismatch on top of the trainer that has none.
 
     python experiments/dial.py calibrate --json results/MACHINE/dial.json   # the unit, per chip
+    python experiments/dial.py calibrate --extend --json results/MACHINE/dial.json  # new shapes
 
 The bf16 trainer on the engine's kernels (--trainer-kernels engine) computes exactly the
 engine's log-probs: mismatch 0. The dial adds noise to the engine's logits inside vLLM, with a
@@ -154,7 +155,8 @@ def measure(llm, model, prompts, args, trainer):
 def calibrate(args):
     """On the warm start: the unit (plain bf16's mean |d|, its bucket profile), fp16's for
     reference, and for each shape the mean |d| at each logit std of SIGMAS, the trainer on the
-    engine's kernels (which alone sees no mismatch)."""
+    engine's kernels (which alone sees no mismatch). --extend keeps a calibration's unit and
+    grids as they are and measures only the shapes it lacks (a new shape, same unit)."""
     device = "cpu"
     cfg = model_config(args.n_items, args.max_new_tokens)
     ckpt = warm_start(cfg, args.n_items, args.seed, device)
@@ -162,26 +164,16 @@ def calibrate(args):
     prompts = [
         task.prompt_ids(p) for p, _ in task.make_splits(args.seed, args.n_items, task.N_EVAL)[0]
     ]
-    llm = {}
-    for name in ("fp16", "bf16"):  # the plain runs' mismatch, as the chip makes it
-        llm[name] = start_engine(
-            ckpt, get_precision(name).vllm_dtype, args.seed, cfg.max_seq_len
-        )
-        sync_weights(llm[name], hf_named_tensors(model), get_precision(name).engine_dtype)
-    plain = {
-        n: measure(llm[n], model, prompts, args, get_precision(n, device=device)) for n in llm
-    }
-    unit = plain["bf16"]["mismatch_logp_abs_mean"]
-    sizes = [s if s is not None else 0.0 for s in plain["bf16"]["pi_bucket_logp_abs_mean"]]
-    profile = [s / unit for s in sizes]  # bf16's mismatch by bucket of pi, over its mean
+    result = common.load(args.json) if args.extend else None
+    result = result or plain_unit(ckpt, model, prompts, args, cfg)
     # One more bf16 engine with the processor: DIAL decides what it does, call by call.
     dialed = start_engine(ckpt, "bfloat16", args.seed, cfg.max_seq_len, **engine_args(1.0))
     aligned = get_precision("bf16", device=device, kernels="engine")
-    grid = {}
-    for shape in SHAPES:
+    unit, grid = result["unit"], result["grid"]
+    for shape in [s for s in SHAPES if s not in grid]:
         grid[shape] = []
         for sigma in DELTAS if shape == "temperature" else SIGMAS:
-            configure(sigma, shape, profile)
+            configure(sigma, shape, result["profile"])
             m = measure(dialed, model, prompts, args, aligned)["mismatch_logp_abs_mean"]
             grid[shape].append([sigma, m])
             print(
@@ -189,7 +181,28 @@ def calibrate(args):
                 flush=True,
             )
     configure(0.0)
-    result = {
+    return result
+
+def plain_unit(ckpt, model, prompts, args, cfg):
+    """The calibration's head: the plain bf16 run's mismatch (the unit) and its profile by
+    bucket of pi, and fp16's, as this chip's engine and trainer make them."""
+    llm = {}
+    for name in ("fp16", "bf16"):  # the plain runs' mismatch, as the chip makes it
+        llm[name] = start_engine(
+            ckpt, get_precision(name).vllm_dtype, args.seed, cfg.max_seq_len
+        )
+        sync_weights(llm[name], hf_named_tensors(model), get_precision(name).engine_dtype)
+    plain = {
+        n: measure(llm[n], model, prompts, args, get_precision(n, device="cpu")) for n in llm
+    }
+    unit = plain["bf16"]["mismatch_logp_abs_mean"]
+    sizes = [s if s is not None else 0.0 for s in plain["bf16"]["pi_bucket_logp_abs_mean"]]
+    profile = [s / unit for s in sizes]  # bf16's mismatch by bucket of pi, over its mean
+    print(
+        f"unit (bf16) {unit:.3e}; fp16 {plain['fp16']['mismatch_logp_abs_mean'] / unit:.3f}x; "
+        f"bf16's profile by bucket of pi {[round(x, 2) for x in profile]}"
+    )
+    return {
         "experiment": "dial-calibration",
         "checkpoint": ckpt,
         "machine": machine(),
@@ -200,13 +213,8 @@ def calibrate(args):
         "profile": profile,
         "pi_edges": list(PI_EDGES),
         "plain": plain,
-        "grid": grid,
+        "grid": {},
     }
-    print(
-        f"unit (bf16) {unit:.3e}; fp16 {result['fp16']:.3e} = {result['fp16'] / unit:.3f}x; "
-        f"bf16's profile by bucket of pi {[round(x, 2) for x in profile]}"
-    )
-    return result
 
 def main(argv=None):
     p = common.parser("the mismatch dial: calibrate it on this chip")
@@ -215,10 +223,24 @@ def main(argv=None):
     p.add_argument("--n-items", type=int, default=12)
     p.add_argument("--group-size", type=int, default=8, help="samples of each held-out prompt")
     p.add_argument("--json", required=True, help="where the calibration goes")
+    p.add_argument("--extend", action="store_true",
+                   help="keep --json's calibration, measure the shapes it lacks")
     args = p.parse_args(argv)
     args.max_new_tokens = 2 * args.n_items + 8
     common.writable(args.json)
+    if args.extend:
+        refuse_extend(args, common.load(args.json))
     common.finish(args, calibrate(args))
+
+def refuse_extend(args, old):
+    """--extend adds shapes to a calibration of this chip, seed and warm start only."""
+    if old is None:
+        common.refuse(f"--extend: no calibration at {args.json}; calibrate without --extend")
+    chip = ("cpu", "cpu_id", "cpu_isa", "gpu")  # not the host's name
+    if any(old["machine"][k] != machine()[k] for k in chip) or old["seed"] != args.seed:
+        common.refuse(f"--extend: {args.json} is another chip's or seed's calibration")
+    if all(s in old["grid"] for s in SHAPES):
+        common.refuse(f"--extend: {args.json} has every shape ({', '.join(SHAPES)})")
 
 if __name__ == "__main__":
     main()

@@ -1,5 +1,6 @@
 """The mismatch dial (experiments/dial.py): nothing at dose 0, and above it the engine really samples
 from the perturbed distribution whose log-probs it returns."""
+import json
 import math
 
 import pytest
@@ -88,3 +89,24 @@ def test_temperature_is_a_bias_and_persistent_noise_does_not_average_along_a_seq
         tokens, both = idx[:, 1:], (mask[:, 1:] * mask[:, :-1]).bool()
         repeats[shape] = (tokens[:, 1:] == tokens[:, :-1])[both].double().mean().item()
     assert repeats["persistent"] > 0.3 > 0.05 > repeats["uniform"], repeats  # 0.46, 0.0014 here
+
+
+def test_extend_measures_only_the_shapes_a_calibration_lacks_and_keeps_the_rest(dialed, random_ckpt, tmp_path,
+                                                                                 monkeypatch):
+    """A calibration made before a shape existed gains that shape's grid; its unit, profile and
+    other grids stay as written, byte for byte. Once it has every shape, --extend refuses."""
+    from instruments import machine
+    old = {"unit": 1e-3, "profile": [4.0, 2.0, 1.0, 0.5, 0.25], "seed": 0, "machine": machine(),
+           "grid": {s: [[0.1, 1e-3], [1.0, 1e-2]] for s in dial.SHAPES if s != "persistent"}}
+    path = tmp_path / "dial.json"
+    path.write_text(json.dumps(old, indent=1))
+    monkeypatch.setattr(dial, "warm_start", lambda *a: random_ckpt)
+    monkeypatch.setattr(dial, "start_engine", lambda *a, **k: dialed)  # the suite's one dialed engine
+    monkeypatch.setattr(dial, "SIGMAS", (1.0,))
+    dial.main(["calibrate", "--extend", "--group-size", "1", "--json", str(path)])
+    new = json.loads(path.read_text())
+    grid = new["grid"].pop("persistent")
+    assert new == old and len(grid) == 1 and grid[0][0] == 1.0 and grid[0][1] > 1e-3
+    with pytest.raises(SystemExit) as stop:
+        dial.main(["calibrate", "--extend", "--json", str(path)])
+    assert stop.value.code == 2 and json.loads(path.read_text())["grid"]["persistent"] == grid
