@@ -3,6 +3,7 @@ experiments/dial.py: the mismatch dial. A controlled mismatch on top of the trai
 
     python experiments/dial.py calibrate --json results/MACHINE/dial.json   # the unit, per chip
     python experiments/dial.py calibrate --extend --json results/MACHINE/dial.json  # new shapes
+    python experiments/dial.py doses --json results/MACHINE/dial.json  # each shape's s at 1x-10x
 
 The bf16 trainer on the engine's kernels (--trainer-kernels engine) computes exactly the
 engine's log-probs: mismatch 0. The dial adds noise to the engine's logits inside vLLM, with a
@@ -218,19 +219,32 @@ def plain_unit(ckpt, model, prompts, args, cfg):
 
 def main(argv=None):
     p = common.parser("the mismatch dial: calibrate it on this chip")
-    p.add_argument("command", choices=["calibrate"])
+    p.add_argument("command", choices=["calibrate", "doses"])
     p.add_argument("--seed", type=int, default=0, help="the warm start and the samples")
     p.add_argument("--n-items", type=int, default=12)
     p.add_argument("--group-size", type=int, default=8, help="samples of each held-out prompt")
     p.add_argument("--json", required=True, help="where the calibration goes")
     p.add_argument("--extend", action="store_true",
                    help="keep --json's calibration, measure the shapes it lacks")
+    p.add_argument("--doses", type=int, nargs="+", default=[1, 3, 10], help="doses: their s")
     args = p.parse_args(argv)
     args.max_new_tokens = 2 * args.n_items + 8
+    if args.command == "doses":
+        try:
+            return print_doses(common.load_json(args.json, "dial.py calibrate"), args.doses)
+        except ValueError as e:  # a dose beyond the calibrated grid
+            common.refuse(str(e))
     common.writable(args.json)
     if args.extend:
         refuse_extend(args, common.load(args.json))
     common.finish(args, calibrate(args))
+
+def print_doses(calibration, doses):
+    """Each calibrated shape's s at each dose: what a dial run of that dose sets."""
+    print(f"{'shape':12}" + "".join(f"{f'{d}x':>10}" for d in doses))
+    for shape in calibration["grid"]:
+        row = [sigma_for(calibration, shape, d) for d in doses]
+        print(f"{shape:12}" + "".join(f"{s:10.3g}" for s in row))
 
 def refuse_extend(args, old):
     """--extend adds shapes to a calibration of this chip, seed and warm start only."""

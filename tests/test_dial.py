@@ -110,3 +110,13 @@ def test_extend_measures_only_the_shapes_a_calibration_lacks_and_keeps_the_rest(
     with pytest.raises(SystemExit) as stop:
         dial.main(["calibrate", "--extend", "--json", str(path)])
     assert stop.value.code == 2 and json.loads(path.read_text())["grid"]["persistent"] == grid
+
+
+def test_doses_prints_each_shapes_s_and_refuses_a_dose_beyond_the_grid(tmp_path, capsys):
+    path = tmp_path / "dial.json"
+    path.write_text(json.dumps({"unit": 2e-4, "grid": {"uniform": [[1e-2, 1e-4], [1e-1, 1e-3]]}}))
+    dial.main(["doses", "--doses", "3", "--json", str(path)])
+    assert capsys.readouterr().out.splitlines()[1].split() == ["uniform", "0.06"]  # as sigma_for's test
+    with pytest.raises(SystemExit) as stop:
+        dial.main(["doses", "--doses", "100", "--json", str(path)])
+    assert stop.value.code == 2 and "outside" in capsys.readouterr().err
