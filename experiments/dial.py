@@ -153,11 +153,11 @@ def measure(llm, model, prompts, args, trainer):
         pi = token_logprobs(trainer.logits_fn(model), idx)
     return {**mismatch_metrics(mu, pi, mask), **pi_buckets(mu, pi, mask)}
 
-def calibrate(args):
+def calibrate(args, old=None):
     """On the warm start: the unit (plain bf16's mean |d|, its bucket profile), fp16's for
     reference, and for each shape the mean |d| at each logit std of SIGMAS, the trainer on the
-    engine's kernels (which alone sees no mismatch). --extend keeps a calibration's unit and
-    grids as they are and measures only the shapes it lacks (a new shape, same unit)."""
+    engine's kernels (which alone sees no mismatch). With `old` (--extend) its unit and
+    grids stay as they are and only the shapes it lacks are measured (a new shape, same unit)."""
     device = "cpu"
     cfg = model_config(args.n_items, args.max_new_tokens)
     ckpt = warm_start(cfg, args.n_items, args.seed, device)
@@ -165,8 +165,7 @@ def calibrate(args):
     prompts = [
         task.prompt_ids(p) for p, _ in task.make_splits(args.seed, args.n_items, task.N_EVAL)[0]
     ]
-    result = common.load(args.json) if args.extend else None
-    result = result or plain_unit(ckpt, model, prompts, args, cfg)
+    result = old or plain_unit(ckpt, model, prompts, args, cfg)
     # One more bf16 engine with the processor: DIAL decides what it does, call by call.
     dialed = start_engine(ckpt, "bfloat16", args.seed, cfg.max_seq_len, **engine_args(1.0))
     aligned = get_precision("bf16", device=device, kernels="engine")
@@ -235,9 +234,10 @@ def main(argv=None):
         except ValueError as e:  # a dose beyond the calibrated grid
             common.refuse(str(e))
     common.writable(args.json)
+    old = common.load(args.json) if args.extend else None  # read once: checked, then kept
     if args.extend:
-        refuse_extend(args, common.load(args.json))
-    common.finish(args, calibrate(args))
+        refuse_extend(args, old)
+    common.finish(args, calibrate(args, old))
 
 def print_doses(calibration, doses):
     """Each calibrated shape's s at each dose: what a dial run of that dose sets."""
