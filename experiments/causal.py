@@ -3,7 +3,8 @@ experiments/causal.py: the rounding's causal test, read. Plan `rounding`'s runs 
 machine (campaign.py; plans.py) as one table per arm: which variant's runs fell, and the
 paired differences that say whether bf16's truncation or its 7 bits did it.
 
-    python experiments/causal.py results/amd-epyc-avx2 --out figures/causal-amd-avx2.png
+    python experiments/causal.py results/amd-epyc-avx2 --arms gspo-engine \
+        --seeds 0 1 2 3 4 5 6 --out figures/causal-amd-avx2.png
 
 Per arm and variant: n, the held-out accuracy's mean +- s.e. (ddof 1), the runs that fell
 (held-out below FELL); then each contrast of CONTRASTS paired by seed: the mean difference,
