@@ -4,7 +4,7 @@ machine (campaign.py; plans.py) as one table per arm: which variant's runs fell,
 paired differences that say whether bf16's truncation or its 7 bits did it.
 
     python experiments/causal.py results/amd-epyc-avx2 --arms gspo-engine \
-        --seeds 0 1 2 3 4 5 6 --out figures/causal-amd-avx2.png
+        --seeds 0 1 2 3 4 5 6 7 --out figures/causal-amd-avx2.png
 
 Per arm and variant: n, the held-out accuracy's mean +- s.e. (ddof 1), the runs that fell
 (held-out below FELL); then each contrast of CONTRASTS paired by seed: the mean difference,
