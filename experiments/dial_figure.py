@@ -138,14 +138,19 @@ def tolerance(by_dose, key):
                                                 at(lambda x: x["ci95"][1])]}
     return row
 
-def dial_table(path, seeds, arms):
-    """The figure's numbers: per shape and arm, the cells by dose and their tolerance rows."""
+def dial_table(path, seeds, arms, doses=None):
+    """The figure's numbers: per shape and arm, the cells by dose and their tolerance rows;
+    doses, if given, keeps those doses alone (0 among them for the paired rows)."""
     runs, where = load_experiment(path, seeds, arms)
     missing = " ".join(sorted(set(arms or []) - set(runs)))
     if missing:
         refuse(f"--arms: no dial run of {missing} in {path}")
     calibration = load_json(os.path.join(path, "dial.json"), "dial.py calibrate")
     cells = dose_cells(runs)
+    if doses is not None:  # a figure held to the cells every seed has run
+        cells = {shape: {arm: {d: c for d, c in by_dose.items() if d in doses}
+                         for arm, by_dose in arms_.items()}
+                 for shape, arms_ in cells.items()}
     if not cells:
         refuse(f"{path} holds no dial run (campaign.py --plan dial) beside its dose 0")
     out = {"machine": where, "unit": calibration["unit"],

@@ -4,7 +4,7 @@ error held along a sequence (persistent), cost RL more than uniform noise of the
 (campaign.py --plan dial-structure; dial.py's shapes; prediction in structure.md.)
 
     python experiments/structure_figure.py results/amd-epyc-avx2 --seeds 0 1 2 3 4 \
-        --out figures/structure-amd-avx2.png
+        --arms gspo-engine --doses 0 10 --out figures/structure-amd-avx2.png
 
 Per arm, one axis: each shape's held-out accuracy minus dose 0's (paired by seed, 95 % t
 interval) against the mismatch its runs realised at step 0; then the table: per arm, dose and
@@ -53,9 +53,10 @@ def draw(ax, out, arm):
 
 def main(argv=None):
     p = runs_parser("the dial with structure: bias and held noise against uniform noise")
+    p.add_argument("--doses", type=int, nargs="+", help="these doses alone (0: the control)")
     args = parse_runs(p, argv)
     arms = args.arms or ["gspo-engine", "grpo"]
-    out = dial_table(args.path, args.seeds, arms)
+    out = dial_table(args.path, args.seeds, arms, args.doses)
     tests = [r for arm in arms for s in ("temperature", "persistent")
              for r in against_uniform(out, arm, s)]
     for r, ph in zip(tests, holm([r["p_sign_flip"] for r in tests])):
