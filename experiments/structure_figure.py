@@ -4,7 +4,7 @@ error held along a sequence (persistent), cost RL more than uniform noise of the
 (campaign.py --plan dial-structure; dial.py's shapes; prediction in structure.md.)
 
     python experiments/structure_figure.py results/amd-epyc-avx2 --seeds 0 1 2 3 4 \
-        --arms gspo-engine --doses 0 3 10 --out figures/structure-amd-avx2.png
+        --arms gspo-engine --doses 0 1 3 10 --out figures/structure-amd-avx2.png
 
 Per arm, one axis: each shape's held-out accuracy minus dose 0's (paired by seed, 95 % t
 interval) against the mismatch its runs realised at step 0; then the table: per arm, dose and
