@@ -15,9 +15,9 @@ ROW = {"reward_mean": 0.9, "mismatch_logp_abs_mean": 4e-3, "pi_bucket_frac": [0.
        "entropy_mean": 0.1, "logit_rms": 3.0}
 
 
-def structure_folder(root):
+def structure_folder(root, heldout=HELDOUT):
     folder = os.path.join(root, "chip")
-    for (dose, shape), accs in HELDOUT.items():
+    for (dose, shape), accs in heldout.items():
         for seed, acc in enumerate(accs):
             run = os.path.join(folder, "gspo-engine-bf16-aligned" + (f"-dial{dose}-{shape}" if dose else "")
                                + f"-s{seed}")
@@ -44,3 +44,20 @@ def test_temperature_against_uniform_by_hand(tmp_path, capsys):
     paired = result["shapes"]["temperature"]["arms"]["gspo-engine"]["heldout"]["paired"]["10"]
     assert paired["mean"] == pytest.approx(-0.14 / 3)  # against dose 0, the aligned run
     assert "| gspo-engine | temperature | 10x | 3 | -0.0367" in capsys.readouterr().out
+
+
+def test_doses_keeps_those_doses_alone(tmp_path):
+    """--doses: a dose some seeds have not run yet (here 1x) leaves the table, and the figure,
+    while the named doses keep their cells and their pairs with dose 0."""
+    heldout = {**HELDOUT, (1, "temperature"): [0.95, 0.95, 0.96]}
+    folder, out = structure_folder(str(tmp_path), heldout), str(tmp_path / "structure.png")
+    structure_figure.main([folder, "--arms", "gspo-engine", "--out", out])
+    every = json.load(open(out[:-4] + ".json"))["shapes"]["temperature"]["arms"]["gspo-engine"]
+    assert every["doses"] == [0, 1, 10]  # without --doses, every dose on disk
+    structure_figure.main([folder, "--arms", "gspo-engine", "--doses", "0", "10", "--out", out])
+    result = json.load(open(out[:-4] + ".json"))
+    for shape in ("temperature", "uniform"):
+        entry = result["shapes"][shape]["arms"]["gspo-engine"]
+        assert entry["doses"] == [0, 10] and sorted(entry["cells"]) == ["0", "10"]
+        assert sorted(entry["heldout"]["paired"]) == ["10"]
+    assert [(t["shape"], t["dose"]) for t in result["against_uniform"]] == [("temperature", 10)]
