@@ -100,8 +100,10 @@ PLANS["dial-tail"] = [("drgrpo-mb4", ["bf16-aligned", "bf16-aligned-dial10-bf16"
 TRUNCATING = "_C_AVX512"  # rounding.py's table: its bf16 kernels truncate
 VARIANTS["bf16-rotary-torch"] = VARIANTS["bf16-trunc"] = VARIANTS["bf16"]
 VARIANTS["bf16-trunc-aligned"] = VARIANTS["bf16-aligned"]
-ROUNDING = ["bf16", "fp16", "bf16-aligned", "bf16-rotary-torch", "bf16-trunc",
-            "bf16-trunc-aligned"]
+# On a chip whose library rounds, its rotary already rounds: the
+# -trunc variants, the contrast that chip exists for, go first.
+ROUNDING = ["bf16", "fp16", "bf16-aligned", "bf16-trunc", "bf16-trunc-aligned",
+            "bf16-rotary-torch"]
 PLANS["rounding"] = [(arm, ROUNDING) for arm in ("gspo-engine", "grpo", "drgrpo-mb4")]
 # The anatomy along a run (anatomy.py --init):
 # seed 0's policies at --stop-after 5, 10 and 20

@@ -26,11 +26,15 @@ T, H, D, HIDDEN = 64, 4, 32, 384  # tokens, heads, head size, the MLP's width (m
 
 def load(library):
     """Load `library` through vLLM's own loader (told what the chip supports, so that it
-    picks that one); return the library it loaded."""
+    picks that one); return the library it loaded. Forcing a library below `_C` also hides
+    AMX: vLLM's AMX paths (its small-GEMM and attention kernels) live in `_C` only, and a chip
+    with AMX has AVX-512-BF16, so vLLM takes them only with `_C`."""
     from vllm.platforms import current_platform
     if library:
         torch.cpu._is_avx512_supported = lambda: library != "_C_AVX2"
         torch.cpu._is_avx512_bf16_supported = lambda: library == "_C"
+    if library and library != "_C":
+        torch.cpu._is_amx_tile_supported = lambda: False
     current_platform.import_kernels()
     maps = open("/proc/self/maps").read()  # the .so the process mapped (its module may fail)
     return next(name for name in LIBRARIES if f"/vllm/{name}.abi3.so" in maps)
@@ -105,16 +109,21 @@ def probe(library=None, seed=0):
     """Every op, in bf16 and fp16, on the library loaded; log_softmax is float32 in vLLM (the
     logits upcast first: model.logprobs_of does the same), so it has no 16-bit row."""
     loaded, rows = load(library), {}
+    torch._C._cpu._init_amx()  # the kernel asks Linux for AMX's tiles first (else SIGILL)
     for name, (op, on_path) in OPS.items():
         rows[name] = {"on_model_path": on_path}
         for dtype, label in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
             out, ref = op(dtype, torch.Generator().manual_seed(seed))
             rows[name][label] = compare(out, ref, dtype)
-    return {"experiment": "rounding", "library": loaded, "machine": machine(), "ops": rows}
+    from aligned import BLOCK_SIZE, _get_attn_isa  # vLLM's pick: "amx" on AMX, else vector
+    isa = {label: _get_attn_isa(dt, BLOCK_SIZE, D, "auto")
+           for dt, label in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"))}
+    return {"experiment": "rounding", "library": loaded, "attention_isa": isa,
+            "machine": machine(), "ops": rows}
 
 def print_probe(result):
     print(f"\nvLLM's CPU ops against float32 on the same 16-bit inputs, library "
-          f"{result['library']}\n"
+          f"{result['library']} (its attention kernel: {result['attention_isa']})\n"
           f"{common.machine_line(result['machine'])}\n\n| op | on the model's path | dtype | "
           "matches round-to-nearest | matches truncation | magnitude bias | mean rel. error |\n"
           "|---|---|---|---|---|---|---|")

@@ -84,6 +84,28 @@ def test_the_rotary_on_torch_variant_runs_an_engine_closer_to_the_trainer(warm_d
         assert torch_rotary < bf16, (torch_rotary, bf16)
 
 
+def test_the_trunc_variant_runs_the_truncating_library_farther_from_the_trainer(warm_dir, tmp_path):
+    """bf16-trunc (plans.run_options: --library _C_AVX512, in a process of its own) runs where the
+    chip's own library rounds: the engine on the truncating kernels, AMX hidden (its kernels live in
+    _C only), recorded in args.json, a larger first-update mismatch than bf16's (rounding.md)."""
+    if "avx512_bf16" not in machine()["cpu_isa"]:
+        pytest.skip("the chip's own library truncates: plan rounding has no -trunc runs here")
+    args = tiny_args(warm_dir, "--out", os.path.join(warm_dir, "campaign-source"))
+    init = warm_start.warm_start(warm_start.model_config(args.n_items, args.max_new_tokens), args.n_items, 0, "cpu")
+    first = {}
+    for variant in ("bf16", "bf16-trunc"):
+        out = tmp_path / variant
+        subprocess.run([sys.executable, "experiments/campaign.py", "--run", "--stop-after", "1",
+                        *plans.run_options(variant), "--", *plans.VARIANTS[variant], "--init", init,
+                        "--batch-size", "16", "--group-size", "8", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, check=True)
+        first[variant] = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+        library = json.loads((out / "args.json").read_text()).get("kernel_library")
+        assert library == ("_C_AVX512" if "trunc" in variant else None)
+    bf16, trunc = (first[v]["mismatch_logp_abs_mean"] for v in ("bf16", "bf16-trunc"))
+    assert trunc > bf16, (trunc, bf16)
+
+
 def test_a_dirty_tree_is_refused_and_allow_dirty_keeps_the_diff(tmp_path, monkeypatch, capsys):
     """Uncommitted changes to tracked files: refused in one line before any run; with --allow-dirty
     each run's results hold the diff beside its files (a result names the code that made it)."""
