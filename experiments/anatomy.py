@@ -18,14 +18,18 @@ dtype scores them (pi). With d = log mu - log pi a token, per variant:
                     GSPO's clip [log(1 - 3e-4), log(1 + 4e-4)]: the share outside as measured,
                     with the bias (the mean over sequences) removed, and the bias alone
 The variants: bf16 and fp16, each on the kernels vLLM's loader picked for this chip (the
-library's own rounding: rounding.py). Page: rounding.md.
+library's own rounding: rounding.py), or with --library on that library's, forced as plan
+rounding's -trunc runs force it: one library a process, so one run per library, on the same
+tokens (the fp32 engine's; their digest in the result says so). Page: rounding.md.
 """
+import hashlib
 import math
 
 import numpy as np
 import torch
 
 import common
+import rounding
 from common import PI_EDGES, t_quantile
 from grpo import GSPO_CLIP
 from instruments import buckets, machine
@@ -85,9 +89,11 @@ def window(d, mask):
 
 def anatomy(args, engine=None):
     """Every variant's figures on the fp32 engine's samples (the module docstring)."""
+    library = rounding.load(args.library)  # before any engine; default: the chip's own
     ckpt, model, device, get_engine = setup(args, engine)
     prompts = heldout_prompts(args)
     samples, idx, mask, _, _ = sample(get_engine("fp32"), prompts, args.group_size, args, device)
+    digest = hashlib.sha1(idx.numpy().tobytes()).hexdigest()[:12]  # the tokens, by library
     with torch.no_grad():
         logits = model(idx[:, :-1]).float()  # the float32 trainer: the temperature's z
     rows = {}
@@ -103,13 +109,15 @@ def anatomy(args, engine=None):
                       "tau": temperature(d, logits, idx, mask),
                       "lag1_correlation": lag1(d, mask), "gspo_window": window(d, mask)}
     result = {"experiment": "anatomy", "checkpoint": ckpt, "machine": machine(),
-              "sequences": len(samples), "tokens": int(mask.sum()), "variants": rows}
+              "kernel_library": library, "sequences": len(samples),
+              "tokens": int(mask.sum()), "tokens_sha1": digest, "variants": rows}
     print_anatomy(result)
     return result
 
 def print_anatomy(result):
     print(f"\nthe mismatch on identical tokens ({result['sequences']} sequences, "
-          f"{result['tokens']} tokens) of {result['checkpoint']}\n"
+          f"{result['tokens']} tokens, sha1 {result.get('tokens_sha1')}) of "
+          f"{result['checkpoint']}, library {result.get('kernel_library')}\n"
           f"{common.machine_line(result['machine'])}\n")
     print("| engine | mean \\|d\\| | signed mean d | tau [95 % CI] | lag-1 correlation | "
           "sequence log-ratio: mean, sd | outside GSPO's clip: measured, noise alone, bias alone |")
@@ -150,7 +158,10 @@ def main(argv=None, engine=None):
     p = base_parser("the anatomy of the mismatch on identical tokens (the docstring)")
     p.add_argument("--along", nargs="+", default=None,
                    help="print these results' table (a run's policies), measure nothing")
+    p.add_argument("--library", choices=list(rounding.LIBRARIES), default=None,
+                   help="vLLM's kernels from this library (default: the one vLLM picks)")
     args = parse(p, argv)
+    rounding.refuse_unrunnable(args.library)
     if args.along:
         return print_along(args.along)
     return common.finish(args, anatomy(args, engine))

@@ -12,7 +12,9 @@ only): the share of elements equal to each, the magnitude bias (the mean of (|ou
 the kernel library by the chip (vllm/platforms/cpu.py: `_C` with AVX-512-BF16, `_C_AVX512` with
 AVX-512F, `_C_AVX2` otherwise); --library forces another where the chip can run it. Op
 "on this model's path" says whether vLLM runs that kernel for model.py's Llama (aligned.py's
-table): RMSNorm and SiLU run native torch there, so their kernels' rows are for reference.
+table): RMSNorm and SiLU run native torch there, so their kernels' rows are for reference. On
+AMX, vLLM runs bf16 attention on AMX's kernel; the row attention_vec is the same library's
+vector kernel beside it (AMX hidden), for reference.
 The result, per chip, goes to results/<machine>/rounding*.json; the page: experiments/rounding.md.
 """
 
@@ -38,6 +40,11 @@ def load(library):
     current_platform.import_kernels()
     maps = open("/proc/self/maps").read()  # the .so the process mapped (its module may fail)
     return next(name for name in LIBRARIES if f"/vllm/{name}.abi3.so" in maps)
+
+def refuse_unrunnable(library):
+    """One line and exit 2 where this chip cannot run `library`."""
+    if library and LIBRARIES[library] not in machine()["cpu_isa"]:
+        common.refuse(f"--library {library}: this chip has no {LIBRARIES[library]}")
 
 def truncated(x):  # float32 -> bf16 by dropping the low 16 bits: the #else branch's shift
     return (x.float().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
@@ -118,6 +125,12 @@ def probe(library=None, seed=0):
     from aligned import BLOCK_SIZE, _get_attn_isa  # vLLM's pick: "amx" on AMX, else vector
     isa = {label: _get_attn_isa(dt, BLOCK_SIZE, D, "auto")
            for dt, label in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"))}
+    if isa["bf16"] == "amx":  # the same library's vector kernel beside it, AMX hidden
+        amx, torch.cpu._is_amx_tile_supported = torch.cpu._is_amx_tile_supported, lambda: False
+        out, ref = attention(torch.bfloat16, torch.Generator().manual_seed(seed))
+        torch.cpu._is_amx_tile_supported = amx
+        rows["attention_vec"] = {"on_model_path": False,
+                                 "bf16": compare(out, ref, torch.bfloat16)}
     return {"experiment": "rounding", "library": loaded, "attention_isa": isa,
             "machine": machine(), "ops": rows}
 
@@ -128,7 +141,7 @@ def print_probe(result):
           "matches round-to-nearest | matches truncation | magnitude bias | mean rel. error |\n"
           "|---|---|---|---|---|---|---|")
     for name, row in result["ops"].items():
-        for dtype in ("bf16", "fp16"):
+        for dtype in (d for d in ("bf16", "fp16") if d in row):
             r = row[dtype]
             trunc = f"{r['match_truncation']:.4f}" if "match_truncation" in r else "-"
             print(f"| {name} | {'yes' if row['on_model_path'] else 'no'} | {dtype} | "
@@ -141,8 +154,7 @@ def main(argv=None):
                    help="force this kernel library (default: the one vLLM picks)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
-    if args.library and LIBRARIES[args.library] not in machine()["cpu_isa"]:
-        common.refuse(f"--library {args.library}: this chip has no {LIBRARIES[args.library]}")
+    refuse_unrunnable(args.library)
     common.writable(args.json)
     result = probe(args.library)
     print_probe(result)

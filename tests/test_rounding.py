@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+import anatomy
 import rounding
 
 ON_PATH = ("rotary_embedding", "attention")  # the kernels on the model's path
@@ -34,6 +35,7 @@ def test_the_loaded_library_rounds_bf16_as_its_chip_predicts(engine):
         if result["attention_isa"]["bf16"] == "amx":  # bf16 products inside: not the
             assert attention["match_truncation"] < 0.9  # float32 result rounded, nor truncated
             assert attention["magnitude_bias"] > -1e-3, attention  # no one-signed shrink
+            assert ops["attention_vec"]["bf16"]["match_nearest"] > 0.99  # the library rounds
         else:
             assert attention["match_nearest"] > 0.99, attention
     for name in ON_PATH:
@@ -56,6 +58,7 @@ def test_the_forced_truncating_library_truncates_on_a_rounding_chip(tmp_path):
 def test_a_library_the_chip_cannot_run_is_refused_in_one_line(capsys):
     for library, flag in rounding.LIBRARIES.items():
         if flag not in rounding.machine()["cpu_isa"]:  # the ISA flags instruments.machine reads
-            with pytest.raises(SystemExit) as e:
-                rounding.main(["--library", library])
-            assert e.value.code == 2 and flag in capsys.readouterr().err
+            for main in (rounding.main, anatomy.main):  # before any work
+                with pytest.raises(SystemExit) as e:
+                    main(["--library", library])
+                assert e.value.code == 2 and flag in capsys.readouterr().err
