@@ -35,7 +35,7 @@ import time
 from common import ROOT, parser, refuse
 from instruments import machine
 from plans import DIAL_SHAPES, PLANS, plan_runs, probed
-from rounding import LIBRARIES
+from rounding import LIBRARIES, refuse_unrunnable
 
 def machine_group(m):
     """results/ subfolder name: the CPU (or GPU) model and the ISA features, as a slug."""
@@ -181,6 +181,7 @@ def get_args(argv):
     if args.samples < 1 or (args.stop_after or 1) < 1:
         p.error(f"--samples and --stop-after must be >= 1, got {args.samples} and "
                 f"{args.stop_after}")
+    refuse_unrunnable(args.library)  # one line, before any work
     unknown = set(args.arms or []) - {arm for arm, _ in PLANS[args.plan]}
     if unknown:
         p.error(f"--arms: {sorted(unknown)} not in plan {args.plan}")

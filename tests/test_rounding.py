@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import anatomy
+import campaign
 import rounding
 
 ON_PATH = ("rotary_embedding", "attention")  # the kernels on the model's path
@@ -55,10 +56,14 @@ def test_the_forced_truncating_library_truncates_on_a_rounding_chip(tmp_path):
     assert_truncates(result["ops"])
 
 
+def campaign_run(argv):
+    campaign.main(["--run", *argv, "--", "--dtype", "bf16"])
+
+
 def test_a_library_the_chip_cannot_run_is_refused_in_one_line(capsys):
     for library, flag in rounding.LIBRARIES.items():
         if flag not in rounding.machine()["cpu_isa"]:  # the ISA flags instruments.machine reads
-            for main in (rounding.main, anatomy.main):  # before any work
+            for main in (rounding.main, anatomy.main, campaign_run):  # before any work
                 with pytest.raises(SystemExit) as e:
                     main(["--library", library])
                 assert e.value.code == 2 and flag in capsys.readouterr().err
