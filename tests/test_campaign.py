@@ -60,24 +60,33 @@ def test_campaign_runs_once_skips_what_is_done_and_resumes(warm_dir, tmp_path):
     assert "resuming" in again and [same(r) for r in rows] == [same(r) for r in metrics.splitlines()]
 
 
-def test_the_rotary_on_torch_variant_runs_an_engine_closer_to_the_trainer(warm_dir, tmp_path):
-    """bf16-rotary-torch's engine (plans.run_options, in a process of its own) leaves a smaller
-    first-update mismatch than bf16's on the same warm start where vLLM's rotary kernel
-    truncates (rounding.md; on the AMD EPYC with AVX2 11 % less on this small warm start, 43 %
-    at seed 0's full size); where it rounds, a different one."""
+def first_updates(warm_dir, tmp_path, variants):
+    """Each variant's first update on seed 0's small warm start, through plans.run_options in a
+    process of its own (one kernel library, one compilation config a process): variant ->
+    (its first metrics row, its args.json)."""
     args = tiny_args(warm_dir, "--out", os.path.join(warm_dir, "campaign-source"))
     init = warm_start.warm_start(warm_start.model_config(args.n_items, args.max_new_tokens), args.n_items, 0, "cpu")
     first = {}
-    for variant in ("bf16", "bf16-rotary-torch"):
+    for variant in variants:
         out = tmp_path / variant
         subprocess.run([sys.executable, "experiments/campaign.py", "--run", "--stop-after", "1",
                         *plans.run_options(variant), "--", *plans.VARIANTS[variant], "--init", init,
                         "--batch-size", "16", "--group-size", "8", "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, check=True)
-        first[variant] = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
-        custom = json.loads((out / "args.json").read_text()).get("engine_custom_ops")
+        first[variant] = (json.loads((out / "metrics.jsonl").read_text().splitlines()[0]),
+                          json.loads((out / "args.json").read_text()))
+    return first
+
+
+def test_the_rotary_on_torch_variant_runs_an_engine_closer_to_the_trainer(warm_dir, tmp_path):
+    """bf16-rotary-torch's engine leaves a smaller first-update mismatch than bf16's on the same
+    warm start where vLLM's rotary kernel truncates (rounding.md; on the AMD EPYC with AVX2 11 %
+    less on this small warm start, 43 % at seed 0's full size); where it rounds, a different one."""
+    first = first_updates(warm_dir, tmp_path, ("bf16", "bf16-rotary-torch"))
+    for variant, (_, args) in first.items():
+        custom = args.get("engine_custom_ops")
         assert custom == (["-rotary_embedding"] if "rotary" in variant else None)
-    bf16, torch_rotary = (first[v]["mismatch_logp_abs_mean"] for v in ("bf16", "bf16-rotary-torch"))
+    bf16, torch_rotary = (first[v][0]["mismatch_logp_abs_mean"] for v in ("bf16", "bf16-rotary-torch"))
     if "avx512_bf16" in machine()["cpu_isa"]:
         assert torch_rotary != bf16
     else:
@@ -85,24 +94,15 @@ def test_the_rotary_on_torch_variant_runs_an_engine_closer_to_the_trainer(warm_d
 
 
 def test_the_trunc_variant_runs_the_truncating_library_farther_from_the_trainer(warm_dir, tmp_path):
-    """bf16-trunc (plans.run_options: --library _C_AVX512, in a process of its own) runs where the
-    chip's own library rounds: the engine on the truncating kernels, AMX hidden (its kernels live in
-    _C only), recorded in args.json, a larger first-update mismatch than bf16's (rounding.md)."""
+    """bf16-trunc (plans.run_options: --library _C_AVX512) runs where the chip's own library
+    rounds: the engine on the truncating kernels, AMX hidden (its kernels live in _C only),
+    recorded in args.json, a larger first-update mismatch than bf16's (rounding.md)."""
     if "avx512_bf16" not in machine()["cpu_isa"]:
         pytest.skip("the chip's own library truncates: plan rounding has no -trunc runs here")
-    args = tiny_args(warm_dir, "--out", os.path.join(warm_dir, "campaign-source"))
-    init = warm_start.warm_start(warm_start.model_config(args.n_items, args.max_new_tokens), args.n_items, 0, "cpu")
-    first = {}
-    for variant in ("bf16", "bf16-trunc"):
-        out = tmp_path / variant
-        subprocess.run([sys.executable, "experiments/campaign.py", "--run", "--stop-after", "1",
-                        *plans.run_options(variant), "--", *plans.VARIANTS[variant], "--init", init,
-                        "--batch-size", "16", "--group-size", "8", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, check=True)
-        first[variant] = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
-        library = json.loads((out / "args.json").read_text()).get("kernel_library")
-        assert library == ("_C_AVX512" if "trunc" in variant else None)
-    bf16, trunc = (first[v]["mismatch_logp_abs_mean"] for v in ("bf16", "bf16-trunc"))
+    first = first_updates(warm_dir, tmp_path, ("bf16", "bf16-trunc"))
+    for variant, (_, args) in first.items():
+        assert args.get("kernel_library") == ("_C_AVX512" if "trunc" in variant else None)
+    bf16, trunc = (first[v][0]["mismatch_logp_abs_mean"] for v in ("bf16", "bf16-trunc"))
     assert trunc > bf16, (trunc, bf16)
 
 
