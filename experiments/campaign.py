@@ -19,7 +19,8 @@ keeps them; a later stop, or the whole run, goes on from an earlier
 stop's checkpoint where it is kept (resume is exact). A variant's
 engine options (plans.run_options) reach --run: the dial's dose,
 --library (vLLM's kernels from that library, rounding.py),
---rotary-torch (the rotary embedding on torch's path).
+--rotary-torch (the rotary embedding on torch's path),
+--hide-amx (the chip's own library without its AMX kernels).
 A campaign refuses a tree with uncommitted changes to tracked files,
 unless --allow-dirty, which keeps the diff beside each run
 (diff.patch): a result names its code.
@@ -127,22 +128,25 @@ def run_one(name, flags, opts, args, results):
     os.replace(keep + ".tmp", keep)  # the results folder holds whole runs only
     return True
 
-def train_run(argv, stop_after, dial=None, library=None, rotary_torch=False):
+def train_run(argv, stop_after, dial=None, library=None, rotary_torch=False,
+              hide_amx=False):
     """One run: train_grpo.py's flags, the instruments on, the machine in args.json; with
     stop_after n, ended after its n-th update on the schedule of all --steps (stop_after
     recorded), its policy in hf/ as a whole run's; with dial (dose, shape, calibration file),
     its engine perturbed by dial.py; with library, vLLM's kernels from
     that library (the trainer's too, on them); with rotary_torch, the
-    rotary embedding on torch."""
+    rotary embedding on torch; with hide_amx, vLLM's AMX kernels hidden."""
     import instruments
     import train_grpo
 
     args = train_grpo.get_args(argv)
     record, more = {"machine": machine()}, {}
-    if library:
+    if library or hide_amx:
         from rounding import load  # before the engine: one a process
 
-        record["kernel_library"] = load(library)
+        record["kernel_library"] = load(library, amx=not hide_amx)
+    if hide_amx:
+        record["amx_hidden"] = True
     if rotary_torch:  # vLLM keeps its first engine's: one a process
         more["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
         record["engine_custom_ops"] = ["-rotary_embedding"]
@@ -176,12 +180,14 @@ def get_args(argv):
                    help="--run: vLLM's kernels from this library (rounding.py)")
     p.add_argument("--rotary-torch", action="store_true",
                    help="--run: rotary on torch's path")
+    p.add_argument("--hide-amx", action="store_true",
+                   help="--run: vLLM's AMX kernels hidden (rounding.py)")
     p.add_argument("extra", nargs="*", help="after --: more train_grpo.py flags for every run")
     args = p.parse_args(argv)
     if args.samples < 1 or (args.stop_after or 1) < 1:
         p.error(f"--samples and --stop-after must be >= 1, got {args.samples} and "
                 f"{args.stop_after}")
-    refuse_unrunnable(args.library)  # one line, before any work
+    refuse_unrunnable(args.library, args.hide_amx)  # one line, before any work
     unknown = set(args.arms or []) - {arm for arm, _ in PLANS[args.plan]}
     if unknown:
         p.error(f"--arms: {sorted(unknown)} not in plan {args.plan}")
@@ -192,7 +198,7 @@ def main(argv=None):
     if args.run:
         dial = (args.dial, args.dial_shape, args.dial_calibration) if args.dial else None
         return train_run(args.extra, args.stop_after, dial, args.library,
-                         args.rotary_torch)
+                         args.rotary_torch, args.hide_amx)
     os.chdir(ROOT)
     stopped = [f"step{args.stop_after}"] if args.stop_after else []  # mid-run: their own folder
     results = os.path.join(args.results, machine_group(machine()), *stopped)

@@ -8,7 +8,8 @@ paired differences that say whether bf16's truncation or its 7 bits did it.
 
 Per arm and variant: n, the held-out accuracy's mean +- s.e. (ddof 1), the runs that fell
 (held-out below FELL); then each contrast of CONTRASTS paired by seed: the mean difference,
-its 95 % t interval, the exact sign-flip p, and Holm's p over every contrast in the table.
+its 95 % t interval, the exact sign-flip p, and Holm's p over every contrast in the table;
+on a chip with AMX, CONTROL's contrasts too, a family of their own (Holm over them alone).
 Prediction 6 (causal.md): in each bf16 run that fell, the mean |log mu - log pi| a token
 reached GROWTH x its step-0 value before the reward first dropped below FELL. The figure:
 per arm, each run's held-out accuracy by variant, seeds joined across variants (results.py's
@@ -25,6 +26,10 @@ GROWTH = 3.0  # prediction 6's factor
 CONTRASTS = [("bf16-aligned", "bf16"), ("fp16", "bf16"), ("bf16-rotary-torch", "bf16"),
              ("fp16", "bf16-aligned"), ("bf16-trunc", "bf16"),
              ("bf16-trunc-aligned", "bf16-trunc")]
+# The AMX control (causal.md), chosen before its runs as its own family:
+# is it the rounding, or the kernels that -trunc swaps with it?
+CONTROL = [("bf16-trunc", "bf16-noamx"), ("bf16-noamx", "bf16")]
+ORDER = [*ROUNDING, "bf16-noamx"]  # the table's rows, the figure's x
 
 def growth_before_fall(rows):
     """(the step the reward first fell below FELL, the largest mean |d| before it over step
@@ -38,34 +43,46 @@ def growth_before_fall(rows):
 def arm_table(by_variant):
     """Per variant: seeds, held-out, falls, growth; then the contrasts present."""
     cells = {}
-    for v in (v for v in ROUNDING if v in by_variant):
+    for v in (v for v in ORDER if v in by_variant):
         runs = sorted(by_variant[v], key=lambda run: run[0])
         held = [f["heldout"] for _, _, f in runs]
         m, se = mean_se(held)
         cells[v] = {"seeds": [s for s, _, _ in runs], "heldout": held, "mean": m, "se": se,
                     "fell": sum(h < FELL for h in held),
                     "growth_before_fall": [growth_before_fall(rows) for _, rows, _ in runs]}
-    tests = [{"a": a, "b": b, **d} for a, b in CONTRASTS if a in cells and b in cells
-             if (d := paired_seeds(cells[a], cells[b], "heldout"))]
-    return {"variants": cells, "contrasts": tests}
+    def tests(pairs):
+        return [{"a": a, "b": b, **d} for a, b in pairs if a in cells and b in cells
+                if (d := paired_seeds(cells[a], cells[b], "heldout"))]
+    control = tests(CONTROL)  # absent where the chip has no AMX
+    return {"variants": cells, "contrasts": tests(CONTRASTS),
+            **({"control": control} if control else {})}
+
+def print_contrasts(tests):
+    """One family's rows: its Holm set in print_tables."""
+    n = tests[0]["tests_in_table"]
+    print(f"\n| contrast | n | mean [95 % CI] | sign-flip p | Holm ({n}) |")
+    print("|---|---|---|---|---|")
+    for t in tests:
+        lo, hi = t["ci95"]
+        print(f"| {t['a']} - {t['b']} | {t['n']} | {t['mean']:+.4f} [{lo:+.4f}, "
+              f"{hi:+.4f}] | {t['p_sign_flip']:.4f} | {t['p_holm']:.4f} |")
 
 def print_tables(out):
-    """The tables, Holm over every contrast of every arm (set here, in the JSON too)."""
-    tests = [t for arm in out["arms"].values() for t in arm["contrasts"]]
-    for t, p in zip(tests, holm([t["p_sign_flip"] for t in tests])):
-        t["p_holm"], t["tests_in_table"] = p, len(tests)
+    """The tables, Holm over every contrast of a family in every arm
+    (set here, in the JSON too)."""
+    for family in ("contrasts", "control"):
+        tests = [t for arm in out["arms"].values() for t in arm.get(family, [])]
+        for t, p in zip(tests, holm([t["p_sign_flip"] for t in tests])):
+            t["p_holm"], t["tests_in_table"] = p, len(tests)
     for arm, table in out["arms"].items():
         print(f"\n{arm}: held-out (fp32 engine), mean +- s.e. (n); runs below {FELL}\n")
         print("| variant | held-out | fell |\n|---|---|---|")
         for v, c in table["variants"].items():
             print(f"| {v} | {fmt(c['mean'], '.4f')} +- {fmt(c['se'], '.4f')} "
                   f"({len(c['seeds'])}) | {c['fell']} of {len(c['seeds'])} |")
-        print(f"\n| contrast | n | mean [95 % CI] | sign-flip p | Holm ({len(tests)}) |")
-        print("|---|---|---|---|---|")
-        for t in table["contrasts"]:
-            lo, hi = t["ci95"]
-            print(f"| {t['a']} - {t['b']} | {t['n']} | {t['mean']:+.4f} [{lo:+.4f}, "
-                  f"{hi:+.4f}] | {t['p_sign_flip']:.4f} | {t['p_holm']:.4f} |")
+        for family in ("contrasts", "control"):
+            if table.get(family):
+                print_contrasts(table[family])
     print(f"\n{out['machine']}")
 
 def figure(out):

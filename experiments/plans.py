@@ -104,7 +104,13 @@ VARIANTS["bf16-trunc-aligned"] = VARIANTS["bf16-aligned"]
 # -trunc variants, the contrast that chip exists for, go first.
 ROUNDING = ["bf16", "fp16", "bf16-aligned", "bf16-trunc", "bf16-trunc-aligned",
             "bf16-rotary-torch"]
-PLANS["rounding"] = [(arm, ROUNDING) for arm in ("gspo-engine", "grpo", "drgrpo-mb4")]
+# The AMX control (causal.md): on AMX, bf16 runs AMX's attention
+# kernel, and -trunc hides it. -noamx hides it on the chip's own
+# library: vector kernels that round, so that bf16-trunc against it
+# differs in the rounding alone. Only where the chip has AMX.
+VARIANTS["bf16-noamx"] = VARIANTS["bf16"]
+PLANS["rounding"] = [("gspo-engine", [*ROUNDING, "bf16-noamx"]),
+                     ("grpo", ROUNDING), ("drgrpo-mb4", ROUNDING)]
 # The anatomy along a run (anatomy.py --init):
 # seed 0's policies at --stop-after 5, 10 and 20
 PLANS["anatomy"] = [("gspo-engine", ["bf16", "bf16-aligned"])]
@@ -132,11 +138,13 @@ def plan_runs(plan, seeds, arms=None, isa=None):
     """(name, flags, campaign.py --run options) of every run: arm by
     arm, in an arm seed by seed: however far it got, an arm's variants
     have the same seeds, paired. With isa (the chip's ISA flags), the
-    -trunc variants only where the native library rounds."""
+    -trunc variants only where the native library rounds, -noamx only
+    where there is AMX to hide."""
     def flags(arm, v, seed):
         return ["--seed", str(seed), *ARMS[arm], *VARIANTS[v]]
     def runs(v):
-        return isa is None or "-trunc" not in v or "avx512_bf16" in isa
+        needs = {"-trunc": "avx512_bf16", "-noamx": "amx_tile"}
+        return isa is None or all(f in isa for k, f in needs.items() if k in v)
     return [(f"{arm}-{v}-s{seed}", flags(arm, v, seed), run_options(v))
             for arm, variants in PLANS[plan] if arm in (arms or [arm])
             for seed in seeds for v in variants if runs(v)]
@@ -147,4 +155,5 @@ def run_options(variant):
     dial = dial_of(variant)
     opts = ["--dial", str(dial[0]), "--dial-shape", dial[1]] if dial else []
     opts += ["--library", TRUNCATING] if "-trunc" in variant else []
+    opts += ["--hide-amx"] if variant.endswith("-noamx") else []
     return opts + (["--rotary-torch"] if variant.endswith("-rotary-torch") else [])

@@ -24,7 +24,7 @@ matplotlib.use("Agg")  # write files, never open a window
 COLORS = {"fp16": "tab:blue", "bf16": "tab:red", "fp32": "0.35", "bf16-head32": "tab:orange",
           "bf16-engine32": "tab:purple", "bf16-aligned": "tab:green",
           "bf16-rotary-torch": "tab:brown", "bf16-trunc": "tab:pink",
-          "bf16-trunc-aligned": "tab:olive", "warm start": "k"}
+          "bf16-trunc-aligned": "tab:olive", "bf16-noamx": "tab:cyan", "warm start": "k"}
 LOW_PI = PI_EDGES.index(0.9)  # the buckets below pi = 0.9: the tokens the trainer is least sure of
 SUMMARY = (("reward_last10", "last-10 reward", ".4f"),
            ("heldout", "held-out (fp32 engine)", ".4f"))
@@ -48,6 +48,7 @@ MEANS = ("mismatch_logp_abs_mean", "clip_frac_pos", "clip_frac_neg", "time_step_
 def variant(args):
     """A run's variant, from its args.json: the dtype and each fix it turns on."""
     name = (args["dtype"] + ("-trunc" if args.get("kernel_library", "_C") != "_C" else "")
+            + ("-noamx" if args.get("amx_hidden") else "")
             + ("-head32" if args.get("lm_head") == "fp32" else "")
             + ("-aligned" if args.get("trainer_kernels") == "engine" else "")
             + ("-rotary-torch" if args.get("engine_custom_ops") else ""))

@@ -26,25 +26,29 @@ from instruments import machine
 LIBRARIES = {"_C": "avx512_bf16", "_C_AVX512": "avx512f", "_C_AVX2": "avx2"}  # and the flag
 T, H, D, HIDDEN = 64, 4, 32, 384  # tokens, heads, head size, the MLP's width (model.py)
 
-def load(library):
+def load(library, amx=True):
     """Load `library` through vLLM's own loader (told what the chip supports, so that it
     picks that one); return the library it loaded. Forcing a library below `_C` also hides
     AMX: vLLM's AMX paths (its small-GEMM and attention kernels) live in `_C` only, and a chip
-    with AMX has AVX-512-BF16, so vLLM takes them only with `_C`."""
+    with AMX has AVX-512-BF16, so vLLM takes them only with `_C`. amx=False hides AMX on the
+    chip's own library too: `_C`'s vector kernels, which round (attention_vec's row)."""
     from vllm.platforms import current_platform
     if library:
         torch.cpu._is_avx512_supported = lambda: library != "_C_AVX2"
         torch.cpu._is_avx512_bf16_supported = lambda: library == "_C"
-    if library and library != "_C":
+    if not amx or (library and library != "_C"):
         torch.cpu._is_amx_tile_supported = lambda: False
     current_platform.import_kernels()
     maps = open("/proc/self/maps").read()  # the .so the process mapped (its module may fail)
     return next(name for name in LIBRARIES if f"/vllm/{name}.abi3.so" in maps)
 
-def refuse_unrunnable(library):
-    """One line and exit 2 where this chip cannot run `library`."""
-    if library and LIBRARIES[library] not in machine()["cpu_isa"]:
+def refuse_unrunnable(library, hide_amx=False):
+    """One line and exit 2 where this chip cannot run `library` (or has no AMX to hide)."""
+    isa = machine()["cpu_isa"]
+    if library and LIBRARIES[library] not in isa:
         common.refuse(f"--library {library}: this chip has no {LIBRARIES[library]}")
+    if hide_amx and "amx_tile" not in isa:
+        common.refuse("--hide-amx: this chip has no AMX to hide")
 
 def truncated(x):  # float32 -> bf16 by dropping the low 16 bits: the #else branch's shift
     return (x.float().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)

@@ -96,14 +96,21 @@ def test_the_rotary_on_torch_variant_runs_an_engine_closer_to_the_trainer(warm_d
 def test_the_trunc_variant_runs_the_truncating_library_farther_from_the_trainer(warm_dir, tmp_path):
     """bf16-trunc (plans.run_options: --library _C_AVX512) runs where the chip's own library
     rounds: the engine on the truncating kernels, AMX hidden (its kernels live in _C only),
-    recorded in args.json, a larger first-update mismatch than bf16's (rounding.md)."""
-    if "avx512_bf16" not in machine()["cpu_isa"]:
+    recorded in args.json, a larger first-update mismatch than bf16's (rounding.md). On AMX,
+    the control bf16-noamx (--hide-amx: _C's vector kernels, which round) is recorded as such,
+    and truncation's mismatch is larger than it too: the kernels' rounding, not AMX's absence."""
+    isa = machine()["cpu_isa"]
+    if "avx512_bf16" not in isa:
         pytest.skip("the chip's own library truncates: plan rounding has no -trunc runs here")
-    first = first_updates(warm_dir, tmp_path, ("bf16", "bf16-trunc"))
+    control = ("bf16-noamx",) * ("amx_tile" in isa)
+    first = first_updates(warm_dir, tmp_path, ("bf16", "bf16-trunc", *control))
+    library = {"bf16": None, "bf16-trunc": "_C_AVX512", "bf16-noamx": "_C"}
     for variant, (_, args) in first.items():
-        assert args.get("kernel_library") == ("_C_AVX512" if "trunc" in variant else None)
-    bf16, trunc = (first[v][0]["mismatch_logp_abs_mean"] for v in ("bf16", "bf16-trunc"))
-    assert trunc > bf16, (trunc, bf16)
+        assert args.get("kernel_library") == library[variant]
+        assert args.get("amx_hidden", False) == (variant == "bf16-noamx")
+    mismatch = {v: row["mismatch_logp_abs_mean"] for v, (row, _) in first.items()}
+    assert len(set(mismatch.values())) == len(mismatch), mismatch  # each its own kernels
+    assert mismatch["bf16-trunc"] == max(mismatch.values()), mismatch
 
 
 def test_a_dirty_tree_is_refused_and_allow_dirty_keeps_the_diff(tmp_path, monkeypatch, capsys):

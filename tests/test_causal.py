@@ -21,13 +21,13 @@ def reward_rows(fell):
             for s, (r, m) in enumerate(zip(rewards, [1e-4, 2e-4, 5e-4, 4e-4]))]
 
 
-def causal_folder(root):
+def causal_folder(root, heldout=HELDOUT, variant_args=ARGS):
     folder = os.path.join(root, "chip")
-    for v, accs in HELDOUT.items():
+    for v, accs in heldout.items():
         for seed, acc in enumerate(accs):
             run = os.path.join(folder, f"gspo-engine-{v}-s{seed}")
             os.makedirs(run)
-            args = {"dtype": "bf16", "seed": seed, "steps": 4, "machine": MACHINE, **ARGS[v]}
+            args = {"dtype": "bf16", "seed": seed, "steps": 4, "machine": MACHINE, **variant_args[v]}
             rows = reward_rows(acc < causal.FELL)
             for f, text in (("args.json", json.dumps(args)), ("heldout.json", json.dumps({"accuracy": acc})),
                             ("metrics.jsonl", "\n".join(json.dumps(r) for r in rows))):
@@ -50,3 +50,23 @@ def test_the_falls_the_contrasts_and_the_growth_by_hand(tmp_path, capsys):
     # the reward first below 0.5 at step 3; the largest mismatch by then 5e-4 = 5x step 0's
     assert arm["variants"]["bf16"]["growth_before_fall"] == [[3, 5.0], None, [3, 5.0]]
     assert "| bf16 | 0.3500 +- 0.3014 (3) | 2 of 3 |" in capsys.readouterr().out
+
+
+def test_the_amx_control_is_a_family_of_its_own(tmp_path, capsys):
+    """bf16-noamx (AMX hidden, recorded in args.json) against bf16-trunc and bf16: CONTROL's two
+    contrasts, Holm over those two alone; the main table's contrast Holm over its own one."""
+    heldout = {"bf16": [0.95, 0.96, 0.97], "bf16-trunc": [0.1, 0.2, 0.9],
+               "bf16-noamx": [0.96, 0.94, 0.97]}
+    args = {"bf16": {}, "bf16-trunc": {"kernel_library": "_C_AVX512"},
+            "bf16-noamx": {"kernel_library": "_C", "amx_hidden": True}}
+    out = str(tmp_path / "causal.png")
+    causal.main([causal_folder(str(tmp_path), heldout, args), "--out", out])
+    arm = json.load(open(out[:-4] + ".json"))["arms"]["gspo-engine"]
+    assert list(arm["variants"]) == ["bf16", "bf16-trunc", "bf16-noamx"]
+    assert [(t["a"], t["b"], t["tests_in_table"]) for t in arm["contrasts"]] == [("bf16-trunc", "bf16", 1)]
+    control = {(t["a"], t["b"]): t for t in arm["control"]}
+    assert set(control) == {("bf16-trunc", "bf16-noamx"), ("bf16-noamx", "bf16")}
+    ps = sorted(t["p_sign_flip"] for t in control.values())
+    assert control[("bf16-trunc", "bf16-noamx")]["p_holm"] == pytest.approx(min(1, 2 * ps[0]))
+    assert {t["tests_in_table"] for t in control.values()} == {2}
+    assert "| bf16-trunc - bf16-noamx | 3 |" in capsys.readouterr().out

@@ -67,3 +67,14 @@ def test_a_library_the_chip_cannot_run_is_refused_in_one_line(capsys):
                 with pytest.raises(SystemExit) as e:
                     main(["--library", library])
                 assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_hiding_amx_where_there_is_none_is_refused_in_one_line(monkeypatch, capsys):
+    """--hide-amx (plan rounding's bf16-noamx) on a chip without AMX: it would repeat bf16, so one
+    line and exit 2, before any work; the libraries that chip can run pass the same check."""
+    monkeypatch.setattr(rounding, "machine", lambda: {"cpu_isa": ["avx2", "avx512f", "avx512_bf16"]})
+    with pytest.raises(SystemExit) as e:
+        campaign_run(["--hide-amx"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "AMX" in err, err
+    rounding.refuse_unrunnable("_C")  # AVX-512-BF16 is there: no refusal
