@@ -14,7 +14,8 @@ AVX-512F, `_C_AVX2` otherwise); --library forces another where the chip can run 
 "on this model's path" says whether vLLM runs that kernel for model.py's Llama (aligned.py's
 table): RMSNorm and SiLU run native torch there, so their kernels' rows are for reference. On
 AMX, vLLM runs bf16 attention on AMX's kernel; the row attention_vec is the same library's
-vector kernel beside it (AMX hidden), for reference.
+vector kernel beside it (AMX hidden), for reference, and attention_amx_model a model of AMX's
+kernel (amx_attention_model: weights rounded to bf16 before V) with the share it matches.
 The result, per chip, goes to results/<machine>/rounding*.json; the page: experiments/rounding.md.
 """
 
@@ -78,15 +79,30 @@ def rotary(dtype, g):
     ref = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1).view(T, H * D)
     return out, ref
 
+def qkv(dtype, g):
+    return [torch.randn(T, H, D, generator=g).to(dtype) for _ in range(3)]
+
+def causal_scores(q, k):  # float32, as the reference's softmax takes them
+    scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * D ** -0.5
+    return scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
+
 def attention(dtype, g):
     """_C.cpu_attention_with_kv_cache, causal, through aligned.paged_attention."""
     import aligned
-    q, k, v = (torch.randn(T, H, D, generator=g).to(dtype) for _ in range(3))
+    q, k, v = qkv(dtype, g)
     out = aligned.paged_attention(q, k, v, 1, T)
-    scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * D ** -0.5
-    scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
-    ref = torch.einsum("hts,shd->thd", scores.softmax(-1), v.float())
+    ref = torch.einsum("hts,shd->thd", causal_scores(q, k).softmax(-1), v.float())
     return out, ref
+
+def amx_attention_model(q, k, v):
+    """AMX's attention as read in vLLM's csrc/cpu/cpu_attn_amx.hpp: its
+    P.V product multiplies bf16 tiles, so the softmax's weights, not yet
+    normalized, are rounded to bf16 (to nearest) before they meet V;
+    the sum they are divided by stays float32."""
+    s = causal_scores(q, k)
+    e = (s - s.amax(-1, keepdim=True)).exp()  # the weights before the division
+    pv = torch.einsum("hts,shd->thd", e.to(torch.bfloat16).float(), v.float())
+    return pv / e.sum(-1).transpose(0, 1)[..., None]
 
 def linear(dtype, g):
     """The GEMM vLLM's loader picks for a weight (aligned.engine_linear)."""
@@ -129,14 +145,27 @@ def probe(library=None, seed=0):
     from aligned import BLOCK_SIZE, _get_attn_isa  # vLLM's pick: "amx" on AMX, else vector
     isa = {label: _get_attn_isa(dt, BLOCK_SIZE, D, "auto")
            for dt, label in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"))}
-    if isa["bf16"] == "amx":  # the same library's vector kernel beside it, AMX hidden
-        amx, torch.cpu._is_amx_tile_supported = torch.cpu._is_amx_tile_supported, lambda: False
-        out, ref = attention(torch.bfloat16, torch.Generator().manual_seed(seed))
-        torch.cpu._is_amx_tile_supported = amx
-        rows["attention_vec"] = {"on_model_path": False,
-                                 "bf16": compare(out, ref, torch.bfloat16)}
+    if isa["bf16"] == "amx":
+        rows.update(amx_rows(rows["attention"]["bf16"], seed))
     return {"experiment": "rounding", "library": loaded, "attention_isa": isa,
             "machine": machine(), "ops": rows}
+
+def amx_rows(kernel_row, seed):
+    """On AMX: the kernel's outputs against amx_attention_model's (the
+    share equal, into kernel_row); the model's own row against float32;
+    the same library's vector kernel beside it, AMX hidden."""
+    import aligned
+    q, k, v = qkv(torch.bfloat16, torch.Generator().manual_seed(seed))
+    model = amx_attention_model(q, k, v)
+    out = aligned.paged_attention(q, k, v, 1, T)
+    model = model.to(torch.bfloat16)  # the kernel's output: to nearest
+    kernel_row["match_amx_model"] = (out == model).float().mean().item()
+    ref = torch.einsum("hts,shd->thd", causal_scores(q, k).softmax(-1), v.float())
+    amx, torch.cpu._is_amx_tile_supported = torch.cpu._is_amx_tile_supported, lambda: False
+    vec, _ = attention(torch.bfloat16, torch.Generator().manual_seed(seed))
+    torch.cpu._is_amx_tile_supported = amx
+    return {name: {"on_model_path": False, "bf16": compare(x, ref, torch.bfloat16)}
+            for name, x in (("attention_amx_model", model), ("attention_vec", vec))}
 
 def print_probe(result):
     print(f"\nvLLM's CPU ops against float32 on the same 16-bit inputs, library "
@@ -151,6 +180,9 @@ def print_probe(result):
             print(f"| {name} | {'yes' if row['on_model_path'] else 'no'} | {dtype} | "
                   f"{r['match_nearest']:.4f} | {trunc} | {r['magnitude_bias']:+.2e} | "
                   f"{r['rel_error_mean']:.2e} |")
+    if "match_amx_model" in result["ops"]["attention"]["bf16"]:
+        print(f"\nAMX's attention equals amx_attention_model's in "
+              f"{result['ops']['attention']['bf16']['match_amx_model']:.4f} of its outputs")
 
 def main(argv=None):
     p = common.parser("the op-level rounding probe (the docstring)")

@@ -37,6 +37,7 @@ def test_the_loaded_library_rounds_bf16_as_its_chip_predicts(engine):
             assert attention["match_truncation"] < 0.9  # float32 result rounded, nor truncated
             assert attention["magnitude_bias"] > -1e-3, attention  # no one-signed shrink
             assert ops["attention_vec"]["bf16"]["match_nearest"] > 0.99  # the library rounds
+            assert attention["match_amx_model"] > 0.99  # weights in bf16, to nearest, before V
         else:
             assert attention["match_nearest"] > 0.99, attention
     for name in ON_PATH:
