@@ -154,15 +154,14 @@ def amx_rows(kernel_row, seed):
     """On AMX: the kernel's outputs against amx_attention_model's (the
     share equal, into kernel_row); the model's own row against float32;
     the same library's vector kernel beside it, AMX hidden."""
-    import aligned
-    q, k, v = qkv(torch.bfloat16, torch.Generator().manual_seed(seed))
-    model = amx_attention_model(q, k, v)
-    out = aligned.paged_attention(q, k, v, 1, T)
+    def inputs():  # attention()'s: qkv draws first from this generator
+        return torch.Generator().manual_seed(seed)
+    out, ref = attention(torch.bfloat16, inputs())  # AMX's kernel
+    model = amx_attention_model(*qkv(torch.bfloat16, inputs()))
     model = model.to(torch.bfloat16)  # the kernel's output: to nearest
     kernel_row["match_amx_model"] = (out == model).float().mean().item()
-    ref = torch.einsum("hts,shd->thd", causal_scores(q, k).softmax(-1), v.float())
     amx, torch.cpu._is_amx_tile_supported = torch.cpu._is_amx_tile_supported, lambda: False
-    vec, _ = attention(torch.bfloat16, torch.Generator().manual_seed(seed))
+    vec, _ = attention(torch.bfloat16, inputs())
     torch.cpu._is_amx_tile_supported = amx
     return {name: {"on_model_path": False, "bf16": compare(x, ref, torch.bfloat16)}
             for name, x in (("attention_amx_model", model), ("attention_vec", vec))}
