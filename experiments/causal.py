@@ -19,7 +19,8 @@ import matplotlib.pyplot as plt
 
 from common import fmt, holm, mean_se
 from plans import ROUNDING
-from results import COLORS, load_experiment, paired_seeds, parse_runs, runs_parser, save
+from results import (COLORS, load_experiment, machine_title, paired_seeds, parse_runs,
+                     runs_parser, save)
 
 FELL = 0.5  # a run fell: its held-out accuracy below this (the warm start's is ~0.9)
 GROWTH = 3.0  # prediction 6's factor
@@ -103,7 +104,7 @@ def figure(out):
         ax.set_xticks(range(len(names)), names, rotation=20, fontsize=7)
         ax.set_title(f"{arm}: held-out accuracy, a dot a run", fontsize=9)
         ax.grid(alpha=0.3)
-    fig.suptitle(out["machine"], fontsize=8)
+    machine_title(fig, out["machine"])
     return fig
 
 def main(argv=None):

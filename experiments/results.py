@@ -12,6 +12,7 @@ sign-flip p), and Holm's p over every test in one table.
 import json
 import math
 import os
+import textwrap
 
 import matplotlib
 import matplotlib.pyplot as plt
@@ -287,6 +288,12 @@ def print_table(out, summary):
             row = [describe(cells[v], key, spec) if v in cells else "" for v in variants]
             print(f"| {arm} | " + " | ".join(row) + " |")
     print(f"\n{out['machine']}")
+
+def machine_title(fig, line, fontsize=8):
+    """The machine line over the figure, wrapped to the figure's width: a long CPU name
+    (ISA flags and all) is not cut at the edges."""
+    fits = int(fig.get_figwidth() * 72 / (0.6 * fontsize))  # characters: ~0.6 em each
+    fig.suptitle("\n".join(textwrap.wrap(line, fits)), fontsize=fontsize)
 
 def save(fig, out, data):
     """The PNG (atomically) and its numbers in a JSON beside it."""

@@ -16,7 +16,7 @@ import numpy as np
 
 from common import holm
 from dial_figure import DOSE0, dial_table
-from results import paired_seeds, parse_runs, plt, runs_parser, save
+from results import machine_title, paired_seeds, parse_runs, plt, runs_parser, save
 
 SHAPES = {"uniform": "tab:gray", "temperature": "tab:red", "persistent": "tab:blue"}
 
@@ -72,7 +72,7 @@ def main(argv=None):
     fig, axes = plt.subplots(1, len(arms), figsize=(5.5 * len(arms), 3.8), squeeze=False)
     for ax, arm in zip(axes[0], arms):
         draw(ax, out, arm)
-    fig.suptitle(out["machine"], fontsize=8)
+    machine_title(fig, out["machine"])
     save(fig, args.out, out)
 
 if __name__ == "__main__":
