@@ -3,10 +3,12 @@ experiments/dial_figure.py: the mismatch dial's figure and tables: how much mism
 tolerates (campaign.py --plan dial and its sister plans; dial.py).
 
     AMX=results/intel-xeon-processor-avx2-avx512f-avx512-bf16-avx512-fp16-amx-tile-amx-bf16
-    python experiments/dial_figure.py $AMX --seeds 0 1 2 3 4 --out figures/dial-intel-amx.png
+    python experiments/dial_figure.py $AMX --seeds 0 1 2 3 4 --shapes uniform bf16 \
+        --out figures/dial-intel-amx.png
     python experiments/dial_figure.py $AMX --seeds 5 6 7 8 9 10 11 12 13 14 --tail 0.90 \
         --out figures/dial-tail-intel-amx.png
-    python experiments/dial_figure.py results/amd-epyc-avx2 --out figures/dial-amd-avx2.png
+    python experiments/dial_figure.py results/amd-epyc-avx2 --arms grpo --shapes uniform \
+        --seeds 0 1 2 --out figures/dial-amd-avx2.png
 
 Held-out accuracy and last-10 reward against the dose, per arm and shape, mean +- s.e. and
 paired against dose 0; beside them the audit's prediction (audit.py --dial-doses, if its JSON
@@ -48,9 +50,10 @@ AUDIT_KEYS = ("dial_dose", "bias_over_noise", "bias_over_noise_ci", "steps_upper
               "cos_bias_grad", "bias_norm", "grad_mean_norm", "mismatch_logp_abs_mean")
 
 def chip_marks(results):
-    """Each chip's plain bf16 and fp16 mismatch on the warm start: step 0 of its runs of those
-    variants (the warm start's policy, the engine's own samples), the mean over runs; where a
-    chip has no such runs, its dial calibration's (dial.py calibrate: the same quantity)."""
+    """Each chip's plain bf16 and fp16 mismatch on the warm start: its dial calibration's
+    (dial.py calibrate, measured once); where a chip has none, step 0 of its runs of those
+    variants (the warm start's policy, the engine's own samples), the mean over runs. The
+    calibration first, so that a figure does not move as another chip's runs land."""
     marks = {}
     for group in sorted(os.listdir(results)):
         folder, found = os.path.join(results, group), {"bf16": [], "fp16": []}
@@ -60,12 +63,12 @@ def chip_marks(results):
                 first = json.loads(open(os.path.join(folder, name, "metrics.jsonl")).readline())
                 found[variant(args)].append(first["mismatch_logp_abs_mean"])
         calibration = load(os.path.join(folder, "dial.json"))
-        if all(found.values()):
-            marks[CHIPS.get(group, group)] = {k: {"n": len(x), "mean": float(np.mean(x))}
-                                              for k, x in found.items()}
-        elif calibration:  # no plain runs there: its calibration measured both
+        if calibration:  # fixed: measured once, on seed 0's warm start
             marks[CHIPS.get(group, group)] = {k: {"n": "dial.json", "mean": calibration[key]}
                                               for k, key in (("bf16", "unit"), ("fp16", "fp16"))}
+        elif all(found.values()):
+            marks[CHIPS.get(group, group)] = {k: {"n": len(x), "mean": float(np.mean(x))}
+                                              for k, x in found.items()}
     return marks
 
 def dose_cell(seeds):
@@ -138,15 +141,16 @@ def tolerance(by_dose, key):
                                                 at(lambda x: x["ci95"][1])]}
     return row
 
-def dial_table(path, seeds, arms, doses=None):
-    """The figure's numbers: per shape and arm, the cells by dose and their tolerance rows;
-    doses, if given, keeps those doses alone (0 among them for the paired rows)."""
+def dial_table(path, seeds, arms, doses=None, shapes=DIAL_SHAPES):
+    """The figure's numbers: per shape (of shapes) and arm, the cells by dose and their
+    tolerance rows; doses, if given, keeps those doses alone (0 among them for the paired
+    rows)."""
     runs, where = load_experiment(path, seeds, arms)
     missing = " ".join(sorted(set(arms or []) - set(runs)))
     if missing:
         refuse(f"--arms: no dial run of {missing} in {path}")
     calibration = load_json(os.path.join(path, "dial.json"), "dial.py calibrate")
-    cells = dose_cells(runs)
+    cells = {shape: c for shape, c in dose_cells(runs).items() if shape in shapes}
     if doses is not None:  # a figure held to the cells every seed has run
         cells = {shape: {arm: {d: c for d, c in by_dose.items() if d in doses}
                          for arm, by_dose in arms_.items()}
@@ -322,8 +326,10 @@ def main(argv=None):
     p = runs_parser("the mismatch dial's figure and tables (the docstring); --arms: Holm over "
                     "their tests")
     p.add_argument("--tail", type=float, help="also count, per cell, the runs below this held-out")
+    p.add_argument("--shapes", nargs="+", choices=DIAL_SHAPES, default=DIAL_SHAPES,
+                   help="these shapes alone (a figure held to the runs it was drawn from)")
     args = parse_runs(p, argv)
-    out = dial_table(args.path, args.seeds, args.arms)
+    out = dial_table(args.path, args.seeds, args.arms, shapes=args.shapes)
     fig = draw(out)
     print_tolerance(out)
     if args.tail is not None:

@@ -2,6 +2,7 @@
 hand-set outcomes; --seeds, --tail, --arms."""
 import json
 import os
+import shutil
 
 import pytest
 
@@ -92,3 +93,34 @@ def test_arms_draws_those_arms_alone_and_refuses_one_with_no_run(tmp_path):
     with pytest.raises(SystemExit) as stop:
         dial_figure.main([folder, "--arms", "grpo", "gspo-engine", "--out", out])
     assert stop.value.code == 2
+
+
+def test_chip_marks_take_the_calibration_first_and_shapes_hold_the_figure(tmp_path):
+    """A chip's bf16 and fp16 marks: its dial.json where it has one, whatever runs land beside it
+    (a figure does not move as runs land); the mean of its runs' step 0 where it has none.
+    --shapes keeps the named shapes alone."""
+    folder = dial_folder(str(tmp_path))
+    other = os.path.join(os.path.dirname(folder), "other")
+    machine = {"cpu": "other", "gpu": None, "cpu_isa": ["avx2"], "torch": "t", "vllm": "v", "host": "h"}
+    for chip, mismatch in ((folder, 9e-4), (other, 3e-4)):  # plain bf16 and fp16 runs on both
+        for dtype in ("bf16", "fp16"):
+            run = os.path.join(chip, f"gspo-engine-{dtype}-s0")
+            os.makedirs(run)
+            json.dump({"dtype": dtype, "seed": 0, "steps": 1, "machine": machine}, open(os.path.join(run, "args.json"), "w"))
+            open(os.path.join(run, "metrics.jsonl"), "w").write(json.dumps({"mismatch_logp_abs_mean": mismatch}) + "\n")
+    marks = dial_figure.chip_marks(os.path.dirname(folder))
+    assert marks["chip"]["bf16"] == {"n": "dial.json", "mean": 4e-4}  # not its run's 9e-4
+    assert marks["other"]["bf16"] == {"n": 1, "mean": 3e-4}
+    for seed in range(3):  # a second shape's runs beside uniform's
+        name = os.path.join(folder, f"grpo-bf16-aligned-dial10-temperature-s{seed}")
+        shutil.copytree(os.path.join(folder, f"grpo-bf16-aligned-dial10-uniform-s{seed}"), name)
+        args = json.load(open(os.path.join(name, "args.json")))
+        json.dump({**args, "dial_shape": "temperature"}, open(os.path.join(name, "args.json"), "w"))
+    out = os.path.join(tmp_path, "dial.png")
+    dial_figure.main([folder, "--arms", "grpo", "--out", out])
+    assert set(json.load(open(out[:-4] + ".json"))["shapes"]) == {"uniform", "temperature"}
+    dial_figure.main([folder, "--arms", "grpo", "--shapes", "uniform", "--out", out])
+    assert set(json.load(open(out[:-4] + ".json"))["shapes"]) == {"uniform"}
+    with pytest.raises(SystemExit) as e:  # no run of that shape: one line, exit 2
+        dial_figure.main([folder, "--arms", "grpo", "--shapes", "bf16", "--out", out])
+    assert e.value.code == 2
