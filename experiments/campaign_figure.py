@@ -7,7 +7,8 @@ experiments/campaign_figure.py: RL over seeds, paired. The campaign's runs of on
     AMX=results/intel-xeon-processor-avx2-avx512f-avx512-bf16-avx512-fp16-amx-tile-amx-bf16
     python experiments/campaign_figure.py $AMD --out figures/campaign-amd.png
     python experiments/campaign_figure.py $XEON --out figures/campaign.png
-    python experiments/campaign_figure.py $AMX --arms gspo-engine --out figures/campaign-amx.png
+    python experiments/campaign_figure.py $AMX --arms gspo-engine --seeds 0 1 2 3 4 5 6 7 \
+        --variants fp16 bf16 fp32 bf16-head32 bf16-engine32 bf16-aligned --out figures/campaign-amx.png
 
 Per arm and variant: the training reward, the held-out accuracy, the per-token mismatch and
 the clipped shares by the sign of A, over the steps (mean over seeds, its s.e. shaded); then
@@ -15,7 +16,8 @@ the tables of results.print_table. The dial's dosed runs are not campaign runs: 
 (dial_figure.py draws them). The numbers drawn go to a JSON beside the PNG: fixes.py and
 readme_figure.py read it. Page: experiments/campaign.md.
 """
-from results import SUMMARY, draw, parse_runs, print_table, runs_parser, save
+from results import (SUMMARY, draw, parse_runs, print_table, runs_parser, save,
+                     with_variants)
 
 PANELS = [("reward_mean", "training reward"),
           ("eval_accuracy", "held-out accuracy"),
@@ -24,8 +26,10 @@ PANELS = [("reward_mean", "training reward"),
           ("clip_frac_pos", "clipped tokens, A > 0")]
 
 def main(argv=None):
-    args = parse_runs(runs_parser("RL over seeds, paired: a machine's campaign"), argv)
-    fig, table = draw(args.path, args.seeds, args.arms, PANELS, SUMMARY, with_warm=False)
+    p = with_variants(runs_parser("RL over seeds, paired: a machine's campaign"))
+    args = parse_runs(p, argv)
+    fig, table = draw(args.path, args.seeds, args.arms, PANELS, SUMMARY, with_warm=False,
+                      variants=args.variants)
     print_table(table, SUMMARY)
     save(fig, args.out, table)
 

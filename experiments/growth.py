@@ -9,7 +9,8 @@ policies (and its warm start), each probed in bf16 and in fp16 (mismatch.py --qu
     python experiments/growth.py $AMD --out figures/growth-amd.png
     python experiments/growth.py $AMD/step8 --out figures/growth-step8-amd.png
     python experiments/growth.py $XEON --out figures/growth.png
-    python experiments/growth.py $AMX --arms gspo-engine --out figures/growth-amx.png
+    python experiments/growth.py $AMX --arms gspo-engine --seeds 0 1 2 3 4 5 6 7 \
+        --variants fp16 bf16 fp32 bf16-head32 bf16-engine32 bf16-aligned --out figures/growth-amx.png
 
 Per arm and variant over the steps: the per-token mismatch, its rise within buckets of pi and
 from tokens changing bucket (results.decompose: growth - 1 = within + shift), the entropy, the
@@ -21,7 +22,8 @@ import math
 import numpy as np
 
 from common import paired
-from results import GROWTH, draw, parse_runs, pick, print_table, runs_parser, save
+from results import (GROWTH, draw, parse_runs, pick, print_table, runs_parser, save,
+                     with_variants)
 
 PANELS = [("mismatch_logp_abs_mean", "mean |log mu - log pi|"),
           ("mismatch_within", "its rise within buckets of pi"),
@@ -88,8 +90,9 @@ def print_layers(out):
                   + " | ".join(f"{e:.2e}" for e in errs) + " |")
 
 def main(argv=None):
-    args = parse_runs(runs_parser("why the mismatch grows (the docstring)"), argv)
-    fig, table = draw(args.path, args.seeds, args.arms, PANELS, GROWTH, with_warm=True)
+    args = parse_runs(with_variants(runs_parser("why the mismatch grows (the docstring)")), argv)
+    fig, table = draw(args.path, args.seeds, args.arms, PANELS, GROWTH, with_warm=True,
+                      variants=args.variants)
     print_table(table, GROWTH)
     print_cross(table)
     print_layers(table)

@@ -232,9 +232,13 @@ def draw_arm(axes, arm, cells, panels):
             ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
 
-def draw(path, seeds, arms, panels, summary, with_warm):
-    """The campaign's runs of a folder (no dial doses): (a row of panels per arm, the table)."""
+def draw(path, seeds, arms, panels, summary, with_warm, variants=None):
+    """The campaign's runs of a folder (no dial doses; of those variants alone, if given): (a
+    row of panels per arm, the table)."""
     runs, where = load_experiment(path, seeds, arms, dial=False)
+    if variants:  # a figure held to the runs it was drawn from, as runs of other plans land
+        runs = {arm: {v: x for v, x in by_v.items() if v in variants}
+                for arm, by_v in runs.items()}
     table = {"machine": where, "arms": {}}
     size = (3.8 * len(panels), 3.1 * len(runs))
     fig, axes = plt.subplots(len(runs), len(panels), figsize=size, squeeze=False)
@@ -253,6 +257,11 @@ def runs_parser(description):
     p.add_argument("--out", required=True, help="the PNG; its JSON beside it")
     p.add_argument("--seeds", type=int, nargs="+", help="these seeds' runs alone")
     p.add_argument("--arms", nargs="+", help="these arms alone")
+    return p
+
+def with_variants(p):
+    """--variants, for a figure of a campaign's columns (campaign_figure.py, growth.py)."""
+    p.add_argument("--variants", nargs="+", help="these variants alone (the table's columns)")
     return p
 
 def parse_runs(p, argv):
