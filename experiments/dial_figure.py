@@ -57,16 +57,17 @@ def chip_marks(results):
     marks = {}
     for group in sorted(os.listdir(results)):
         folder, found = os.path.join(results, group), {"bf16": [], "fp16": []}
+        calibration = load(os.path.join(folder, "dial.json"))
+        if calibration:  # fixed: measured once, on seed 0's warm start
+            marks[CHIPS.get(group, group)] = {k: {"n": "dial.json", "mean": calibration[key]}
+                                              for k, key in (("bf16", "unit"), ("fp16", "fp16"))}
+            continue
         for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
             args = load(os.path.join(folder, name, "args.json"))
             if args and variant(args) in found:
                 first = json.loads(open(os.path.join(folder, name, "metrics.jsonl")).readline())
                 found[variant(args)].append(first["mismatch_logp_abs_mean"])
-        calibration = load(os.path.join(folder, "dial.json"))
-        if calibration:  # fixed: measured once, on seed 0's warm start
-            marks[CHIPS.get(group, group)] = {k: {"n": "dial.json", "mean": calibration[key]}
-                                              for k, key in (("bf16", "unit"), ("fp16", "fp16"))}
-        elif all(found.values()):
+        if all(found.values()):
             marks[CHIPS.get(group, group)] = {k: {"n": len(x), "mean": float(np.mean(x))}
                                               for k, x in found.items()}
     return marks
