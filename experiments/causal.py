@@ -18,7 +18,7 @@ curves are campaign_figure.py's). Page: experiments/causal.md.
 import matplotlib.pyplot as plt
 
 from common import fmt, holm, mean_se
-from plans import ROUNDING
+from plans import WITH_AMX_CONTROL
 from results import (COLORS, load_experiment, machine_title, paired_seeds, parse_runs,
                      runs_parser, save)
 
@@ -30,7 +30,6 @@ CONTRASTS = [("bf16-aligned", "bf16"), ("fp16", "bf16"), ("bf16-rotary-torch", "
 # The AMX control (causal.md), chosen before its runs as its own family:
 # is it the rounding, or the kernels that -trunc swaps with it?
 CONTROL = [("bf16-trunc", "bf16-noamx"), ("bf16-noamx", "bf16")]
-ORDER = [*ROUNDING, "bf16-noamx"]  # the table's rows, the figure's x
 
 def growth_before_fall(rows):
     """(the step the reward first fell below FELL, the largest mean |d| before it over step
@@ -44,7 +43,7 @@ def growth_before_fall(rows):
 def arm_table(by_variant):
     """Per variant: seeds, held-out, falls, growth; then the contrasts present."""
     cells = {}
-    for v in (v for v in ORDER if v in by_variant):
+    for v in (v for v in WITH_AMX_CONTROL if v in by_variant):
         runs = sorted(by_variant[v], key=lambda run: run[0])
         held = [f["heldout"] for _, _, f in runs]
         m, se = mean_se(held)

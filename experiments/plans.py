@@ -109,7 +109,8 @@ ROUNDING = ["bf16", "fp16", "bf16-aligned", "bf16-trunc", "bf16-trunc-aligned",
 # library: vector kernels that round, so that bf16-trunc against it
 # differs in the rounding alone. Only where the chip has AMX.
 VARIANTS["bf16-noamx"] = VARIANTS["bf16"]
-PLANS["rounding"] = [("gspo-engine", [*ROUNDING, "bf16-noamx"]),
+WITH_AMX_CONTROL = [*ROUNDING, "bf16-noamx"]  # gspo-engine's; causal.py's order
+PLANS["rounding"] = [("gspo-engine", WITH_AMX_CONTROL),
                      ("grpo", ROUNDING), ("drgrpo-mb4", ROUNDING)]
 # The anatomy along a run (anatomy.py --init):
 # seed 0's policies at --stop-after 5, 10 and 20
