@@ -20,7 +20,7 @@ dtype scores them (pi). With d = log mu - log pi a token, per variant:
 The variants: bf16 and fp16, each on the kernels vLLM's loader picked for this chip (the
 library's own rounding: rounding.py), or with --library on that library's, forced as plan
 rounding's -trunc runs force it: one library a process, so one run per library, on the same
-tokens (the fp32 engine's; their digest in the result says so). Page: rounding.md.
+tokens (the fp32 engine's; their digest in the result says so). Page: anatomy.md.
 """
 import hashlib
 import math
@@ -151,7 +151,9 @@ def print_along(paths):
     for path in paths:
         r = common.load_json(path, "anatomy.py --init DIR --json F")
         fp16 = r["variants"]["fp16"]["logp_abs_mean"]
-        row = [r["checkpoint"], *cells(r["variants"]["bf16"]), f"{fp16:.3e}"]
+        lib = r.get("kernel_library")  # absent in results from before --library
+        policy = f"{r['checkpoint']} ({lib})" if lib else r["checkpoint"]
+        row = [policy, *cells(r["variants"]["bf16"]), f"{fp16:.3e}"]
         print("| " + " | ".join(row) + " |")
 
 def main(argv=None, engine=None):

@@ -113,8 +113,9 @@ WITH_AMX_CONTROL = [*ROUNDING, "bf16-noamx"]  # gspo-engine's; causal.py's order
 PLANS["rounding"] = [("gspo-engine", WITH_AMX_CONTROL),
                      ("grpo", ROUNDING), ("drgrpo-mb4", ROUNDING)]
 # The anatomy along a run (anatomy.py --init):
-# seed 0's policies at --stop-after 5, 10 and 20
-PLANS["anatomy"] = [("gspo-engine", ["bf16", "bf16-aligned"])]
+# seed 0's policies at --stop-after 5, 10 and 20. On AMX the
+# truncating run and its control go first (plan_runs drops them elsewhere).
+PLANS["anatomy"] = [("gspo-engine", ["bf16-trunc", "bf16-noamx", "bf16", "bf16-aligned"])]
 # The dial with structure (dial.md): bias (temperature) and noise held
 # along a sequence (persistent) against uniform noise, at the same mean
 # |d| a token, on gspo-engine then grpo; the top dose first.
