@@ -20,7 +20,8 @@ stop's checkpoint where it is kept (resume is exact). A variant's
 engine options (plans.run_options) reach --run: the dial's dose,
 --library (vLLM's kernels from that library, rounding.py),
 --rotary-torch (the rotary embedding on torch's path),
---hide-amx (the chip's own library without its AMX kernels).
+--hide-amx (the chip's own library without its AMX kernels),
+--swap-from (plans.SWAPS: the run goes on from that variant's stop).
 A campaign refuses a tree with uncommitted changes to tracked files,
 unless --allow-dirty, which keeps the diff beside each run
 (diff.patch): a result names its code.
@@ -33,9 +34,9 @@ import subprocess
 import sys
 import time
 
-from common import ROOT, parser, refuse
+from common import ROOT, load, parser, refuse
 from instruments import machine
-from plans import DIAL_SHAPES, PLANS, plan_runs, probed
+from plans import DIAL_SHAPES, PLANS, SWAP_STEP, SWAPS, plan_runs, probed
 from rounding import LIBRARIES, refuse_unrunnable
 
 def machine_group(m):
@@ -99,9 +100,30 @@ def commands(name, flags, opts, args, results):
             steps.append(probe + ["--json", warm])
     return steps
 
+def swap_source(args, name):
+    """A swap run's start (plans.SWAPS): its before variant's stop at
+    SWAP_STEP, in runs/campaign/stepN/; None for any other run."""
+    variant = next((v for v in SWAPS if f"-{v}-s" in name), None)
+    if variant is None:
+        return None
+    before = name.replace(f"-{variant}-s", f"-{SWAPS[variant][0]}-s")
+    base = os.path.dirname(args.runs) if args.stop_after else args.runs
+    return os.path.join(base, f"step{SWAP_STEP}", before)
+
+def refuse_unswappable(todo, args):
+    """One line, before any work, where a swap run has nothing to start from."""
+    for name, _, _ in todo:
+        start = swap_source(args, name)
+        kept = os.path.isfile(os.path.join(args.runs, name, "checkpoint.pt"))
+        if start and not kept and not finished(start, readings_too=False):
+            refuse(f"{name}: no stop in {start}: first campaign.py --plan swap-stops "
+                   f"--stop-after {SWAP_STEP} with the same --seeds")
+
 def earlier_stop(args, name):
     """This run's folder at the latest --stop-after below this one (any,
     for a whole run), if kept with its checkpoint: it goes on from there."""
+    if swap_source(args, name):  # a swap goes on from its before side's
+        return swap_source(args, name)
     base = os.path.dirname(args.runs) if args.stop_after else args.runs
     limit, stops = args.stop_after or float("inf"), []
     for d in os.listdir(base) if os.path.isdir(base) else []:
@@ -129,13 +151,14 @@ def run_one(name, flags, opts, args, results):
     return True
 
 def train_run(argv, stop_after, dial=None, library=None, rotary_torch=False,
-              hide_amx=False):
+              hide_amx=False, swap_from=None):
     """One run: train_grpo.py's flags, the instruments on, the machine in args.json; with
     stop_after n, ended after its n-th update on the schedule of all --steps (stop_after
     recorded), its policy in hf/ as a whole run's; with dial (dose, shape, calibration file),
     its engine perturbed by dial.py; with library, vLLM's kernels from
     that library (the trainer's too, on them); with rotary_torch, the
-    rotary embedding on torch; with hide_amx, vLLM's AMX kernels hidden."""
+    rotary embedding on torch; with hide_amx, vLLM's AMX kernels hidden;
+    with swap_from, the variant whose stop it goes on from (recorded)."""
     import instruments
     import train_grpo
 
@@ -147,6 +170,8 @@ def train_run(argv, stop_after, dial=None, library=None, rotary_torch=False,
         record["kernel_library"] = load(library, amx=not hide_amx)
     if hide_amx:
         record["amx_hidden"] = True
+    if swap_from:  # its rows before swap_step are that variant's
+        record.update(swap_from=swap_from, swap_step=swap_step(args.out))
     if rotary_torch:  # vLLM keeps its first engine's: one a process
         more["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
         record["engine_custom_ops"] = ["-rotary_embedding"]
@@ -160,6 +185,14 @@ def train_run(argv, stop_after, dial=None, library=None, rotary_torch=False,
         record.update(dialed)
     train_grpo.train(args, instruments=instruments, record=record,
                      until=record.get("stop_after"), more=more)
+
+def swap_step(out):
+    """The update a swap run changed library at: as its args.json says
+    on a later resume, else the rows it starts with (the stop's)."""
+    old = load(os.path.join(out, "args.json")) or {}
+    if "swap_step" in old:
+        return old["swap_step"]
+    return sum(1 for _ in open(os.path.join(out, "metrics.jsonl")))
 
 def get_args(argv):
     p = parser("every RL run of a plan, once, resumable (the docstring)")
@@ -182,12 +215,16 @@ def get_args(argv):
                    help="--run: rotary on torch's path")
     p.add_argument("--hide-amx", action="store_true",
                    help="--run: vLLM's AMX kernels hidden (rounding.py)")
+    p.add_argument("--swap-from", default=None, choices=[b for b, _ in SWAPS.values()],
+                   help="--run: went on from this variant's stop (plans.SWAPS)")
     p.add_argument("extra", nargs="*", help="after --: more train_grpo.py flags for every run")
     args = p.parse_args(argv)
     if args.samples < 1 or (args.stop_after or 1) < 1:
         p.error(f"--samples and --stop-after must be >= 1, got {args.samples} and "
                 f"{args.stop_after}")
     refuse_unrunnable(args.library, args.hide_amx)  # one line, before any work
+    if args.swap_from and "--resume" not in args.extra:
+        refuse("--swap-from: a swap goes on from a stop: give --resume and its --out")
     unknown = set(args.arms or []) - {arm for arm, _ in PLANS[args.plan]}
     if unknown:
         p.error(f"--arms: {sorted(unknown)} not in plan {args.plan}")
@@ -198,7 +235,7 @@ def main(argv=None):
     if args.run:
         dial = (args.dial, args.dial_shape, args.dial_calibration) if args.dial else None
         return train_run(args.extra, args.stop_after, dial, args.library,
-                         args.rotary_torch, args.hide_amx)
+                         args.rotary_torch, args.hide_amx, args.swap_from)
     os.chdir(ROOT)
     stopped = [f"step{args.stop_after}"] if args.stop_after else []  # mid-run: their own folder
     results = os.path.join(args.results, machine_group(machine()), *stopped)
@@ -213,6 +250,7 @@ def main(argv=None):
     if args.diff and not args.allow_dirty:
         refuse("the tree has uncommitted changes: commit them, or --allow-dirty to keep the "
                "diff beside each run")
+    refuse_unswappable(todo, args)
     if args.plan == "dial" and not os.path.isfile(os.path.join(results, "dial.json")):
         refuse(f"--plan dial: no {results}/dial.json: run experiments/dial.py calibrate first")
     os.makedirs(results, exist_ok=True)

@@ -124,6 +124,19 @@ PLANS["dial-structure"] = [
     entry for arm in ("gspo-engine", "grpo")
     for shape in ("temperature", "persistent", "uniform")
     for entry in by_dose([arm], STRUCTURE_DOSES, shape, shape == "temperature")]
+# The swap (swap.md): a run that starts on one library and goes on
+# from its stop at SWAP_STEP on the other; is the truncation needed
+# to start a fall, or to keep a run in its dip? First the stops:
+# --plan swap-stops --stop-after 10; then --plan swap resumes them.
+SWAP_STEP = 10  # in the falling runs' dip (anatomy.md)
+SWAPS = {  # variant: (before, after)
+    "bf16-trunc-to-noamx": ("bf16-trunc", "bf16-noamx"),
+    "bf16-noamx-to-trunc": ("bf16-noamx", "bf16-trunc")}
+for swap, (_, after) in SWAPS.items():
+    VARIANTS[swap] = VARIANTS[after]
+BEFORE = [before for before, _ in SWAPS.values()]
+PLANS["swap-stops"] = [("gspo-engine", BEFORE)]
+PLANS["swap"] = [("gspo-engine", list(SWAPS))]
 # Arms whose final policies (and each seed's warm start) mismatch.py --quick also reads
 PROBED = ("gspo-engine",)
 
@@ -154,6 +167,9 @@ def plan_runs(plan, seeds, arms=None, isa=None):
 def run_options(variant):
     """campaign.py --run's options for a variant: the dial's dose and
     shape; the kernels."""
+    swap = SWAPS.get(variant)
+    if swap:  # the after side's kernels, from the before side's stop
+        return run_options(swap[1]) + ["--swap-from", swap[0]]
     dial = dial_of(variant)
     opts = ["--dial", str(dial[0]), "--dial-shape", dial[1]] if dial else []
     opts += ["--library", TRUNCATING] if "-trunc" in variant else []

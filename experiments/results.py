@@ -57,6 +57,8 @@ def variant(args):
         name += f"-engine{args['engine_dtype'][2:]}"
     if args.get("dial_dose"):  # dial.py's runs
         name += f"-dial{args['dial_dose']}-{args['dial_shape']}"
+    if args.get("swap_from"):  # plans.SWAPS: named before-to-after
+        name = f"{args['swap_from']}-to-{name.removeprefix(args['dtype'] + '-')}"
     return name
 
 def load_experiment(folder, seeds=None, arms=None, dial=True):

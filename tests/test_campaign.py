@@ -11,6 +11,7 @@ import pytest
 
 import campaign
 import plans
+import results
 import train_grpo
 import warm_start
 from conftest import ROOT, tiny_args
@@ -180,3 +181,53 @@ def test_a_run_killed_before_its_first_checkpoint_goes_on_from_the_kept_stop(tmp
     train = campaign.commands(name, ["--seed", "0"], [], args, str(tmp_path))[0]
     assert train[-1] == "--resume" and (runs / name / "checkpoint.pt").read_bytes() == b"step 2"
     assert not (runs / name / "args.json").exists()  # the stop's args are not its end's
+
+
+def test_a_swap_goes_on_from_its_before_sides_stop_or_is_refused(tmp_path, capsys):
+    """plans.SWAPS: a swap run copies in its before variant's stop at SWAP_STEP and resumes it
+    with the after variant's kernels, recording where it came from; with no such stop the
+    plan is refused in one line before any run."""
+    runs = tmp_path / "runs"
+    args = argparse.Namespace(runs=str(runs), stop_after=None, extra=[], samples=8)
+    (name, flags, opts), = [r for r in plans.plan_runs("swap", [3]) if "trunc-to-noamx" in r[0]]
+    with pytest.raises(SystemExit) as e:
+        campaign.refuse_unswappable([(name, flags, opts)], args)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "swap-stops" in err, err
+    stop = runs / f"step{plans.SWAP_STEP}" / "gspo-engine-bf16-trunc-s3"
+    (stop / "hf").mkdir(parents=True)
+    (stop / "args.json").write_text(json.dumps({"steps": 40, "stop_after": plans.SWAP_STEP}))
+    (stop / "metrics.jsonl").write_text("{}\n" * plans.SWAP_STEP)
+    (stop / "hf" / "config.json").write_text("{}")
+    (stop / "checkpoint.pt").write_bytes(b"step 10")
+    campaign.refuse_unswappable([(name, flags, opts)], args)  # now there is one
+    train = campaign.commands(name, flags, opts, args, str(tmp_path))[0]
+    assert train[-1] == "--resume" and (runs / name / "checkpoint.pt").read_bytes() == b"step 10"
+    assert train[train.index("--swap-from") + 1] == "bf16-trunc" and "--hide-amx" in train
+    assert "--library" not in train  # the after side: the chip's own library, AMX hidden
+
+
+def test_a_swapped_run_repeats_its_stop_then_reads_the_other_librarys_mismatch(warm_dir, tmp_path):
+    """A truncating run stopped after one update, then resumed twice: on the truncating
+    library (its twin) and, as a swap, on the rounding one. The swap's first row is the stop's;
+    its next update runs the rounding engine, closer to the trainer than its twin's (the same
+    policy); args.json records the swap, and results.py names it before-to-after."""
+    if not {"avx512_bf16", "amx_tile"} <= set(machine()["cpu_isa"]):
+        pytest.skip("the swap needs both libraries and AMX to hide: plans.SWAPS runs on AMX")
+    args = tiny_args(warm_dir, "--out", os.path.join(warm_dir, "campaign-source"))
+    init = warm_start.warm_start(warm_start.model_config(args.n_items, args.max_new_tokens), args.n_items, 0, "cpu")
+    def run(out, opts, *more):
+        subprocess.run([sys.executable, "experiments/campaign.py", "--run", *opts, "--", "--dtype", "bf16",
+                        "--init", init, "--steps", "2", "--batch-size", "16", "--group-size", "8",
+                        "--out", str(out), *more], cwd=ROOT, capture_output=True, text=True, check=True)
+        return [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    stop = run(tmp_path / "twin", ["--stop-after", "1", *plans.run_options("bf16-trunc")])
+    shutil.copytree(tmp_path / "twin", tmp_path / "swap", ignore=shutil.ignore_patterns("hf", "*.json"))
+    swap = run(tmp_path / "swap", ["--hide-amx", "--swap-from", "bf16-trunc"], "--resume")
+    twin = run(tmp_path / "twin", plans.run_options("bf16-trunc"), "--resume")
+    same = [{k: v for k, v in r.items() if not k.startswith("time_") and "per_s" not in k} for r in (stop[0], swap[0])]
+    assert same[0] == same[1] and len(swap) == len(twin) == 2
+    recorded = json.loads((tmp_path / "swap" / "args.json").read_text())
+    assert (recorded["swap_from"], recorded["swap_step"], recorded["kernel_library"]) == ("bf16-trunc", 1, "_C")
+    assert results.variant(recorded) == "bf16-trunc-to-noamx"
+    assert swap[1]["mismatch_logp_abs_mean"] < twin[1]["mismatch_logp_abs_mean"], (swap[1], twin[1])

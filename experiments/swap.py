@@ -1,0 +1,142 @@
+"""
+experiments/swap.py: the swap, read. Does a run need the truncating
+engine to start its fall, or to stay in its dip? gspo-engine runs
+that change the engine's library after SWAP_STEP updates
+(plans.SWAPS), beside the runs that keep one library all the way.
+
+    python experiments/campaign.py --plan swap-stops --stop-after 10 --seeds 0 1 2 3 4 5 6 7
+    python experiments/campaign.py --plan swap --seeds 0 1 2 3 4 5 6 7
+    python experiments/swap.py $M --seeds 0 1 2 3 4 5 6 7 --out figures/swap-intel-amx.png
+
+Per variant: n, held-out accuracy mean +- s.e. (ddof 1), the runs
+that fell (below causal.FELL), and each seed's held-out at the swap
+(the stop's, in $M/step10/). Then CONTRASTS paired by seed: mean,
+95 % t interval, exact sign-flip p, Holm over the four. Then the
+factor at the swap: on update SWAP_STEP, each swapped run's mean
+|log mu - log pi| a token over its unswapped twin's (the same
+policy, each on its own engine's samples). The figure: the training
+reward by update, mean +- s.e. over seeds, a line per variant, and
+each run's held-out accuracy. Page: experiments/swap.md.
+"""
+import math
+import os
+
+import matplotlib.pyplot as plt
+
+from causal import FELL
+from common import fmt, holm, mean_se
+from plans import SWAP_STEP, SWAPS
+from results import (COLORS, curve, load_experiment, machine_title, paired_seeds,
+                     parse_runs, runs_parser, save)
+
+ARM = "gspo-engine"
+ORDER = ["bf16-noamx", "bf16-noamx-to-trunc", "bf16-trunc", "bf16-trunc-to-noamx"]
+# Each swap against its before side (what the swap changed), then
+# against its after side (what the first SWAP_STEP updates left).
+CONTRASTS = [("bf16-trunc-to-noamx", "bf16-trunc"), ("bf16-noamx-to-trunc", "bf16-noamx"),
+             ("bf16-trunc-to-noamx", "bf16-noamx"), ("bf16-noamx-to-trunc", "bf16-trunc")]
+STYLE = {"bf16-noamx-to-trunc": ("tab:cyan", "--"), "bf16-trunc-to-noamx": ("tab:pink", "--")}
+
+def at_swap(path, seeds):
+    """{variant: {seed: held-out}} of the stops the swaps went on from."""
+    stops = os.path.join(path, f"step{SWAP_STEP}")
+    if not os.path.isdir(stops):
+        return {}
+    runs, _ = load_experiment(stops, seeds, [ARM], dial=False)
+    return {v: {s: f["heldout"] for s, _, f in runs[ARM].get(v, [])}
+            for v in ORDER if v in runs.get(ARM, {})}
+
+def factor(swapped, twin):
+    """On update SWAP_STEP, the swapped run's mean |d| over its twin's, by seed."""
+    key, twins = "mismatch_logp_abs_mean", {s: rows for s, rows, _ in twin}
+    return {s: rows[SWAP_STEP][key] / twins[s][SWAP_STEP][key]
+            for s, rows, _ in swapped if s in twins}
+
+def cells_of(runs, stops):
+    """Per variant: seeds, held-out, falls, the reward curve."""
+    cells = {}
+    for v in (v for v in ORDER if v in runs):
+        seeds = sorted(runs[v], key=lambda r: r[0])
+        held = [f["heldout"] for _, _, f in seeds]
+        m, se = mean_se(held)
+        before = stops.get(SWAPS[v][0] if v in SWAPS else v, {})
+        cells[v] = {"seeds": [s for s, _, _ in seeds], "heldout": held, "mean": m, "se": se,
+                    "fell": sum(h < FELL for h in held),
+                    "heldout_at_swap": [before.get(s) for s, _, _ in seeds],
+                    "reward": curve(seeds, "reward_mean")}
+    return cells
+
+def read(path, seeds):
+    """The table, the contrasts (Holm over those present) and the factors."""
+    runs, where = load_experiment(path, seeds, [ARM], dial=False)
+    cells = cells_of(runs.get(ARM, {}), at_swap(path, seeds))
+    tests = [{"a": a, "b": b, **d} for a, b in CONTRASTS if a in cells and b in cells
+             if (d := paired_seeds(cells[a], cells[b], "heldout"))]
+    for t, p in zip(tests, holm([t["p_sign_flip"] for t in tests])):
+        t["p_holm"], t["tests_in_table"] = p, len(tests)
+    factors = {}
+    for v, (before, _) in SWAPS.items():
+        if v in runs.get(ARM, {}) and before in runs[ARM]:
+            by_seed = factor(runs[ARM][v], runs[ARM][before])
+            logs = [math.log(x) for x in by_seed.values()]
+            factors[v] = {"by_seed": {str(s): x for s, x in by_seed.items()},
+                          "geometric_mean": math.exp(sum(logs) / len(logs))}
+    return {"machine": where, "swap_step": SWAP_STEP, "fell_below": FELL,
+            "variants": cells, "contrasts": tests, "factor_at_swap": factors}
+
+def print_read(out):
+    print(f"\n{ARM}: held-out (fp32 engine), mean +- s.e. (n); runs below {FELL}; "
+          f"held-out at the swap (after {SWAP_STEP} updates), by seed\n")
+    print("| variant | held-out | fell | at the swap |\n|---|---|---|---|")
+    for v, c in out["variants"].items():
+        at = " ".join(fmt(x, ".2f") for x in c["heldout_at_swap"])
+        print(f"| {v} | {fmt(c['mean'], '.4f')} +- {fmt(c['se'], '.4f')} ({len(c['seeds'])})"
+              f" | {c['fell']} of {len(c['seeds'])} | {at} |")
+    if out["contrasts"]:
+        n = out["contrasts"][0]["tests_in_table"]
+        print(f"\n| contrast | n | mean [95 % CI] | sign-flip p | Holm ({n}) |")
+        print("|---|---|---|---|---|")
+    for t in out["contrasts"]:
+        lo, hi = t["ci95"]
+        print(f"| {t['a']} - {t['b']} | {t['n']} | {t['mean']:+.4f} [{lo:+.4f}, "
+              f"{hi:+.4f}] | {t['p_sign_flip']:.4f} | {t['p_holm']:.4f} |")
+    print(f"\nmean |d| on update {SWAP_STEP}, swapped over unswapped (by seed; geometric mean)")
+    for v, f in out["factor_at_swap"].items():
+        seeds = " ".join(f"{x:.2f}" for x in f["by_seed"].values())
+        print(f"  {v} over {SWAPS[v][0]}: {seeds}; {f['geometric_mean']:.2f}")
+    print(f"\n{out['machine']}")
+
+def figure(out):
+    """The reward by update, mean +- s.e.; each run's held-out."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    cells = out["variants"]
+    for v, c in cells.items():
+        color, ls = STYLE.get(v, (COLORS.get(v), "-"))
+        x, m, se = (c["reward"][k] for k in ("x", "mean", "se"))
+        left.plot(x, m, ls, color=color, label=f"{v} ({len(c['seeds'])})")
+        lo, hi = [a - b for a, b in zip(m, se)], [a + b for a, b in zip(m, se)]
+        left.fill_between(x, lo, hi, color=color, alpha=0.15)
+    left.axvline(SWAP_STEP - 0.5, color="k", lw=0.6, ls=":")
+    left.set_xlabel(f"step (the swap: between steps {SWAP_STEP - 1} and {SWAP_STEP})", fontsize=8)
+    left.set_title("training reward, mean +- s.e. over seeds", fontsize=9)
+    left.legend(fontsize=7)
+    for i, (v, c) in enumerate(cells.items()):
+        right.scatter([i] * len(c["heldout"]), c["heldout"], s=18,
+                      color=STYLE.get(v, (COLORS.get(v),))[0])
+    right.axhline(FELL, color="k", lw=0.6, ls=":")
+    right.set_xticks(range(len(cells)), list(cells), rotation=15, fontsize=7)
+    right.set_title("held-out accuracy after 40 updates, a dot a run", fontsize=9)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    machine_title(fig, out["machine"])
+    return fig
+
+def main(argv=None):
+    p = runs_parser("the swap: a library changed after SWAP_STEP updates")
+    args = parse_runs(p, argv)
+    out = read(args.path, args.seeds)
+    print_read(out)
+    save(figure(out), args.out, out)
+
+if __name__ == "__main__":
+    main()

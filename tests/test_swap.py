@@ -1,0 +1,72 @@
+"""experiments/swap.py: the swap's table by hand on a folder of runs with hand-set outcomes:
+variants named from args.json, falls, the paired contrasts with Holm, the factor at the swap
+and the held-out at the swap from the stops."""
+import json
+import os
+
+import swap
+from plans import SWAP_STEP
+
+MACHINE = {"cpu": "chip", "gpu": None, "cpu_isa": ["avx2"], "torch": "t", "vllm": "v", "host": "h"}
+ARGS = {"bf16-trunc": {"kernel_library": "_C_AVX512"}, "bf16-noamx": {"amx_hidden": True},
+        "bf16-trunc-to-noamx": {"amx_hidden": True, "swap_from": "bf16-trunc"},
+        "bf16-noamx-to-trunc": {"kernel_library": "_C_AVX512", "swap_from": "bf16-noamx"}}
+HELDOUT = {"bf16-trunc": [0.2, 0.3, 0.9], "bf16-noamx": [0.96, 0.95, 0.97],
+           "bf16-trunc-to-noamx": [0.7, 0.9, 0.9], "bf16-noamx-to-trunc": [0.9, 0.4, 0.8]}
+MISMATCH = {"bf16-trunc": 4e-3, "bf16-noamx": 1e-3, "bf16-trunc-to-noamx": 2e-3,
+            "bf16-noamx-to-trunc": 2.5e-3}  # each variant's on update SWAP_STEP
+
+
+def write_run(folder, name, args, acc, rows):
+    run = os.path.join(folder, name)
+    os.makedirs(run)
+    for f, text in (("args.json", json.dumps(args)), ("heldout.json", json.dumps({"accuracy": acc})),
+                    ("metrics.jsonl", "\n".join(json.dumps(r) for r in rows))):
+        open(os.path.join(run, f), "w").write(text + "\n")
+
+
+def rows_of(v, seed, n):
+    rest = {"pi_bucket_frac": [0.1, 0.1, 0.2, 0.3, 0.3], "pi_bucket_logp_abs_mean": [1e-3, 1e-4, 1e-5, 1e-6, 0.0],
+            "response_len_mean": 24.0, "entropy_mean": 0.1, "logit_rms": 3.0}
+    mismatch = [MISMATCH[v] * (1 + seed) if s == SWAP_STEP else 1e-4 for s in range(n)]
+    return [{"step": s, "reward_mean": 0.9, "mismatch_logp_abs_mean": m, **rest} for s, m in enumerate(mismatch)]
+
+
+def swap_folder(root):
+    folder = os.path.join(root, "chip")
+    for v, accs in HELDOUT.items():
+        for seed, acc in enumerate(accs):
+            args = {"dtype": "bf16", "seed": seed, "steps": SWAP_STEP + 1, "machine": MACHINE, **ARGS[v]}
+            write_run(folder, f"gspo-engine-{v}-s{seed}", args, acc, rows_of(v, seed, SWAP_STEP + 1))
+            if "-to-" not in v:  # its stop, the swaps' start
+                stop = {**args, "stop_after": SWAP_STEP}
+                write_run(os.path.join(folder, f"step{SWAP_STEP}"), f"gspo-engine-{v}-s{seed}", stop,
+                          acc / 2, rows_of(v, seed, SWAP_STEP))
+    return folder
+
+
+def test_the_swaps_table_by_hand(tmp_path, capsys):
+    out = swap.read(swap_folder(str(tmp_path)), None)
+    cells = out["variants"]
+    assert list(cells) == swap.ORDER
+    assert cells["bf16-trunc"]["fell"] == 2 and cells["bf16-noamx-to-trunc"]["fell"] == 1
+    assert cells["bf16-trunc-to-noamx"]["heldout_at_swap"] == [0.1, 0.15, 0.45]  # the trunc stops'
+    assert cells["bf16-noamx"]["heldout_at_swap"] == [0.48, 0.475, 0.485]
+    tests = {(t["a"], t["b"]): t for t in out["contrasts"]}
+    rescue = tests[("bf16-trunc-to-noamx", "bf16-trunc")]  # differences +0.5, +0.6, 0.0
+    assert abs(rescue["mean"] - 1.1 / 3) < 1e-12 and rescue["n"] == 3
+    assert rescue["p_sign_flip"] == 0.5  # 4 of 8 sign patterns reach |sum| 1.1 (the zero's flip changes nothing)
+    assert rescue["tests_in_table"] == 4 and rescue["p_holm"] >= rescue["p_sign_flip"]
+    factors = out["factor_at_swap"]  # 2e-3 over 4e-3 at every seed; 2.5e-3 over 1e-3
+    assert all(abs(x - 0.5) < 1e-12 for x in factors["bf16-trunc-to-noamx"]["by_seed"].values())
+    assert abs(factors["bf16-noamx-to-trunc"]["geometric_mean"] - 2.5) < 1e-12
+    swap.print_read(out)
+    assert "| bf16-trunc | 0.4667" in capsys.readouterr().out
+
+
+def test_the_swaps_figure_and_its_json(tmp_path):
+    out = str(tmp_path / "swap.png")
+    swap.main([swap_folder(str(tmp_path)), "--out", out])
+    data = json.load(open(out.replace(".png", ".json")))
+    assert os.path.getsize(out) > 0 and data["swap_step"] == SWAP_STEP
+    assert data["variants"]["bf16-trunc-to-noamx"]["reward"]["x"] == list(range(SWAP_STEP + 1))
