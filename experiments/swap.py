@@ -24,7 +24,7 @@ import os
 import matplotlib.pyplot as plt
 
 from causal import FELL
-from common import fmt, holm, mean_se
+from common import fmt, holm, mean_se, refuse
 from plans import SWAP_STEP, SWAPS
 from results import (COLORS, curve, load_experiment, machine_title, paired_seeds,
                      parse_runs, runs_parser, save)
@@ -134,6 +134,8 @@ def figure(out):
 def main(argv=None):
     p = runs_parser("the swap: a library changed after SWAP_STEP updates")
     args = parse_runs(p, argv)
+    if args.arms not in (None, [ARM]):
+        refuse(f"--arms: the swap has one arm, {ARM} (plans.SWAPS)")
     out = read(args.path, args.seeds)
     print_read(out)
     save(figure(out), args.out, out)

@@ -4,6 +4,8 @@ and the held-out at the swap from the stops."""
 import json
 import os
 
+import pytest
+
 import swap
 from plans import SWAP_STEP
 
@@ -70,3 +72,12 @@ def test_the_swaps_figure_and_its_json(tmp_path):
     data = json.load(open(out.replace(".png", ".json")))
     assert os.path.getsize(out) > 0 and data["swap_step"] == SWAP_STEP
     assert data["variants"]["bf16-trunc-to-noamx"]["reward"]["x"] == list(range(SWAP_STEP + 1))
+
+
+def test_another_arm_is_refused_in_one_line(tmp_path, capsys):
+    folder = swap_folder(str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        swap.main([folder, "--arms", "grpo", "--out", str(tmp_path / "x.png")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "gspo-engine" in err, err
+    assert not (tmp_path / "x.png").exists()
