@@ -122,8 +122,9 @@ def refuse_unswappable(todo, args):
 def earlier_stop(args, name):
     """This run's folder at the latest --stop-after below this one (any,
     for a whole run), if kept with its checkpoint: it goes on from there."""
-    if swap_source(args, name):  # a swap goes on from its before side's
-        return swap_source(args, name)
+    source = swap_source(args, name)
+    if source:  # a swap goes on from its before side's stop alone
+        return source
     base = os.path.dirname(args.runs) if args.stop_after else args.runs
     limit, stops = args.stop_after or float("inf"), []
     for d in os.listdir(base) if os.path.isdir(base) else []:
