@@ -23,7 +23,7 @@ import os
 
 import matplotlib.pyplot as plt
 
-from causal import FELL
+from causal import FELL, print_contrasts
 from common import fmt, holm, mean_se, refuse
 from plans import SWAP_STEP, SWAPS
 from results import (COLORS, curve, load_experiment, machine_title, paired_seeds,
@@ -93,13 +93,7 @@ def print_read(out):
         print(f"| {v} | {fmt(c['mean'], '.4f')} +- {fmt(c['se'], '.4f')} ({len(c['seeds'])})"
               f" | {c['fell']} of {len(c['seeds'])} | {at} |")
     if out["contrasts"]:
-        n = out["contrasts"][0]["tests_in_table"]
-        print(f"\n| contrast | n | mean [95 % CI] | sign-flip p | Holm ({n}) |")
-        print("|---|---|---|---|---|")
-    for t in out["contrasts"]:
-        lo, hi = t["ci95"]
-        print(f"| {t['a']} - {t['b']} | {t['n']} | {t['mean']:+.4f} [{lo:+.4f}, "
-              f"{hi:+.4f}] | {t['p_sign_flip']:.4f} | {t['p_holm']:.4f} |")
+        print_contrasts(out["contrasts"])  # causal.py's rows, the same columns
     print(f"\nmean |d| on update {SWAP_STEP}, swapped over unswapped (by seed; geometric mean)")
     for v, f in out["factor_at_swap"].items():
         seeds = " ".join(f"{x:.2f}" for x in f["by_seed"].values())
