@@ -36,7 +36,7 @@ import time
 
 from common import ROOT, load, parser, refuse
 from instruments import machine
-from plans import DIAL_SHAPES, PLANS, SWAP_STEP, SWAPS, plan_runs, probed
+from plans import BEFORE, DIAL_SHAPES, PLANS, SWAPS, plan_runs, probed
 from rounding import LIBRARIES, refuse_unrunnable
 
 def machine_group(m):
@@ -102,13 +102,13 @@ def commands(name, flags, opts, args, results):
 
 def swap_source(args, name):
     """A swap run's start (plans.SWAPS): its before variant's stop at
-    SWAP_STEP, in runs/campaign/stepN/; None for any other run."""
+    its swap's update N, in runs/campaign/stepN/; None for any other."""
     variant = next((v for v in SWAPS if f"-{v}-s" in name), None)
     if variant is None:
         return None
-    before = name.replace(f"-{variant}-s", f"-{SWAPS[variant][0]}-s")
+    before, _, step = SWAPS[variant]
     base = os.path.dirname(args.runs) if args.stop_after else args.runs
-    return os.path.join(base, f"step{SWAP_STEP}", before)
+    return os.path.join(base, f"step{step}", name.replace(f"-{variant}-s", f"-{before}-s"))
 
 def refuse_unswappable(todo, args):
     """One line, before any work, where a swap run has nothing to start from."""
@@ -116,8 +116,9 @@ def refuse_unswappable(todo, args):
         start = swap_source(args, name)
         kept = os.path.isfile(os.path.join(args.runs, name, "checkpoint.pt"))
         if start and not kept and not finished(start, readings_too=False):
+            step = os.path.basename(os.path.dirname(start)).removeprefix("step")
             refuse(f"{name}: no stop in {start}: first campaign.py --plan swap-stops "
-                   f"--stop-after {SWAP_STEP} with the same --seeds")
+                   f"--stop-after {step} with the same --seeds")
 
 def earlier_stop(args, name):
     """This run's folder at the latest --stop-after below this one (any,
@@ -216,7 +217,7 @@ def get_args(argv):
                    help="--run: rotary on torch's path")
     p.add_argument("--hide-amx", action="store_true",
                    help="--run: vLLM's AMX kernels hidden (rounding.py)")
-    p.add_argument("--swap-from", default=None, choices=[b for b, _ in SWAPS.values()],
+    p.add_argument("--swap-from", default=None, choices=BEFORE,
                    help="--run: went on from this variant's stop (plans.SWAPS)")
     p.add_argument("extra", nargs="*", help="after --: more train_grpo.py flags for every run")
     args = p.parse_args(argv)

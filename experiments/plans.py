@@ -129,14 +129,24 @@ PLANS["dial-structure"] = [
 # to start a fall, or to keep a run in its dip? First the stops:
 # --plan swap-stops --stop-after 10; then --plan swap resumes them.
 SWAP_STEP = 10  # in the falling runs' dip (anatomy.md)
-SWAPS = {  # variant: (before, after)
-    "bf16-trunc-to-noamx": ("bf16-trunc", "bf16-noamx"),
-    "bf16-noamx-to-trunc": ("bf16-noamx", "bf16-trunc")}
-for swap, (_, after) in SWAPS.items():
+LATE_SWAP = 20  # the same swaps later: --stop-after 20, swap-late
+SWAPS = {  # variant: (before, after, the update it swaps at)
+    "bf16-trunc-to-noamx": ("bf16-trunc", "bf16-noamx", SWAP_STEP),
+    "bf16-noamx-to-trunc": ("bf16-noamx", "bf16-trunc", SWAP_STEP)}
+
+def swap_suffix(step):
+    """A swap variant's name after the update it swaps at; none at 10."""
+    return "" if step == SWAP_STEP else f"-at{step}"
+
+SWAPS.update({v + swap_suffix(LATE_SWAP): (b, a, LATE_SWAP)
+              for v, (b, a, _) in list(SWAPS.items())})
+for swap, (_, after, _) in SWAPS.items():
     VARIANTS[swap] = VARIANTS[after]
-BEFORE = [before for before, _ in SWAPS.values()]
+BEFORE = list(dict.fromkeys(b for b, _, _ in SWAPS.values()))
 PLANS["swap-stops"] = [("gspo-engine", BEFORE)]
-PLANS["swap"] = [("gspo-engine", list(SWAPS))]
+for plan, step in (("swap", SWAP_STEP), ("swap-late", LATE_SWAP)):
+    PLANS[plan] = [("gspo-engine", [v for v, s in SWAPS.items()
+                                    if s[2] == step])]
 # Arms whose final policies (and each seed's warm start) mismatch.py --quick also reads
 PROBED = ("gspo-engine",)
 

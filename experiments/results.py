@@ -20,6 +20,7 @@ import numpy as np
 
 from common import (PI_EDGES, fmt, holm, load, machine_line, mean_se, paired, parser, refuse,
                     write_json)
+from plans import swap_suffix
 
 matplotlib.use("Agg")  # write files, never open a window
 COLORS = {"fp16": "tab:blue", "bf16": "tab:red", "fp32": "0.35", "bf16-head32": "tab:orange",
@@ -59,6 +60,7 @@ def variant(args):
         name += f"-dial{args['dial_dose']}-{args['dial_shape']}"
     if args.get("swap_from"):  # plans.SWAPS: named before-to-after
         name = f"{args['swap_from']}-to-{name.removeprefix(args['dtype'] + '-')}"
+        name += swap_suffix(args["swap_step"])
     return name
 
 def load_experiment(folder, seeds=None, arms=None, dial=True):

@@ -8,11 +8,19 @@ that change the engine's library after SWAP_STEP updates
     python experiments/campaign.py --plan swap --seeds 0 1 2 3 4 5 6 7
     python experiments/swap.py $M --seeds 0 1 2 3 4 5 6 7 --out figures/swap-intel-amx.png
 
+The same swaps later (plans.LATE_SWAP), read beside the first:
+
+    python experiments/campaign.py --plan swap-stops --stop-after 20 --seeds 0 1 2 3 4 5 6 7
+    python experiments/campaign.py --plan swap-late --seeds 0 1 2 3 4 5 6 7
+    python experiments/swap.py $M --step 20 --seeds 0 1 2 3 4 5 6 7 \
+        --out figures/swap-20-intel-amx.png
+
 Per variant: n, held-out accuracy mean +- s.e. (ddof 1), the runs
 that fell (below causal.FELL), and each seed's held-out at the swap
-(the stop's, in $M/step10/). Then CONTRASTS paired by seed: mean,
-95 % t interval, exact sign-flip p, Holm over the four. Then the
-factor at the swap: on update SWAP_STEP, each swapped run's mean
+(the stop's, in $M/stepN/). Then contrasts() paired by seed: mean,
+95 % t interval, exact sign-flip p, Holm over the four (six with
+--step 20: each later swap against the first too). Then the
+factor at the swap: on its swap's update, each swapped run's mean
 |log mu - log pi| a token over its unswapped twin's (the same
 policy, each on its own engine's samples). The figure: the training
 reward by update, mean +- s.e. over seeds, a line per variant, and
@@ -25,68 +33,91 @@ import matplotlib.pyplot as plt
 
 from causal import FELL, print_contrasts
 from common import fmt, holm, mean_se, refuse
-from plans import SWAP_STEP, SWAPS
+from plans import LATE_SWAP, SWAP_STEP, SWAPS, swap_suffix
 from results import (COLORS, curve, load_experiment, machine_title, paired_seeds,
                      parse_runs, runs_parser, save)
 
 ARM = "gspo-engine"
-ORDER = ["bf16-noamx", "bf16-noamx-to-trunc", "bf16-trunc", "bf16-trunc-to-noamx"]
-# Each swap against its before side (what the swap changed), then
-# against its after side (what the first SWAP_STEP updates left).
-CONTRASTS = [("bf16-trunc-to-noamx", "bf16-trunc"), ("bf16-noamx-to-trunc", "bf16-noamx"),
-             ("bf16-trunc-to-noamx", "bf16-noamx"), ("bf16-noamx-to-trunc", "bf16-trunc")]
+FIRST = ["bf16-noamx", "bf16-noamx-to-trunc", "bf16-trunc", "bf16-trunc-to-noamx"]
 STYLE = {"bf16-noamx-to-trunc": ("tab:cyan", "--"), "bf16-trunc-to-noamx": ("tab:pink", "--")}
+STYLE.update({v + swap_suffix(LATE_SWAP): (c, ":") for v, (c, _) in STYLE.items()})
 
-def at_swap(path, seeds):
-    """{variant: {seed: held-out}} of the stops the swaps went on from."""
-    stops = os.path.join(path, f"step{SWAP_STEP}")
+def order(step):
+    """The variants read at a swap step: the first four, and after
+    each first swap its later one (at LATE_SWAP)."""
+    late = swap_suffix(step)
+    return list(dict.fromkeys(x for v in FIRST for x in (v, v + ("-to-" in v) * late)))
+
+def contrasts(step):
+    """Each swap against its before side (what the swap changed), then
+    against its after side (what the updates before it left); a later
+    swap against the first one too (what waiting changed)."""
+    late, trunc, noamx = swap_suffix(step), "bf16-trunc", "bf16-noamx"
+    swaps = [(f"{trunc}-to-noamx{late}", trunc), (f"{noamx}-to-trunc{late}", noamx),
+             (f"{trunc}-to-noamx{late}", noamx), (f"{noamx}-to-trunc{late}", trunc)]
+    return swaps + [(v + late, v) for v in FIRST if "-to-" in v and late]
+
+def at_swap(path, seeds, step):
+    """{variant: {seed: held-out}} of the stops after `step` updates."""
+    stops = os.path.join(path, f"step{step}")
     if not os.path.isdir(stops):
         return {}
     runs, _ = load_experiment(stops, seeds, [ARM], dial=False)
     return {v: {s: f["heldout"] for s, _, f in runs[ARM].get(v, [])}
-            for v in ORDER if v in runs.get(ARM, {})}
+            for v in FIRST if v in runs.get(ARM, {})}
 
-def factor(swapped, twin):
-    """On update SWAP_STEP, the swapped run's mean |d| over its twin's, by seed."""
+def factor(swapped, twin, step):
+    """On update `step`, the swapped run's mean |d| over its twin's, by seed."""
     key, twins = "mismatch_logp_abs_mean", {s: rows for s, rows, _ in twin}
-    return {s: rows[SWAP_STEP][key] / twins[s][SWAP_STEP][key]
+    return {s: rows[step][key] / twins[s][step][key]
             for s, rows, _ in swapped if s in twins}
 
-def cells_of(runs, stops):
-    """Per variant: seeds, held-out, falls, the reward curve."""
+def cells_of(runs, stops, step):
+    """Per variant: seeds, held-out, falls, the reward curve; the
+    held-out at its swap (a swap's before side's stop; else at step)."""
     cells = {}
-    for v in (v for v in ORDER if v in runs):
+    for v in (v for v in order(step) if v in runs):
         seeds = sorted(runs[v], key=lambda r: r[0])
         held = [f["heldout"] for _, _, f in seeds]
         m, se = mean_se(held)
-        before = stops.get(SWAPS[v][0] if v in SWAPS else v, {})
+        before, _, at = SWAPS.get(v, (v, v, step))
+        before = stops[at].get(before, {})
         cells[v] = {"seeds": [s for s, _, _ in seeds], "heldout": held, "mean": m, "se": se,
                     "fell": sum(h < FELL for h in held),
                     "heldout_at_swap": [before.get(s) for s, _, _ in seeds],
                     "reward": curve(seeds, "reward_mean")}
     return cells
 
-def read(path, seeds):
+def read(path, seeds, step=SWAP_STEP):
     """The table, the contrasts (Holm over those present) and the factors."""
     runs, where = load_experiment(path, seeds, [ARM], dial=False)
-    cells = cells_of(runs.get(ARM, {}), at_swap(path, seeds))
-    tests = [{"a": a, "b": b, **d} for a, b in CONTRASTS if a in cells and b in cells
+    runs = runs.get(ARM, {})
+    stops = {at: at_swap(path, seeds, at) for at in {SWAP_STEP, step}}
+    cells = cells_of(runs, stops, step)
+    tests = [{"a": a, "b": b, **d} for a, b in contrasts(step) if a in cells and b in cells
              if (d := paired_seeds(cells[a], cells[b], "heldout"))]
     for t, p in zip(tests, holm([t["p_sign_flip"] for t in tests])):
         t["p_holm"], t["tests_in_table"] = p, len(tests)
     factors = {}
-    for v, (before, _) in SWAPS.items():
-        if v in runs.get(ARM, {}) and before in runs[ARM]:
-            by_seed = factor(runs[ARM][v], runs[ARM][before])
+    for v in (v for v in SWAPS if v in order(step) and v in runs):
+        before, _, at = SWAPS[v]
+        if before in runs:
+            by_seed = factor(runs[v], runs[before], at)
             logs = [math.log(x) for x in by_seed.values()]
             factors[v] = {"by_seed": {str(s): x for s, x in by_seed.items()},
                           "geometric_mean": math.exp(sum(logs) / len(logs))}
-    return {"machine": where, "swap_step": SWAP_STEP, "fell_below": FELL,
+    return {"machine": where, "swap_step": step, "fell_below": FELL,
             "variants": cells, "contrasts": tests, "factor_at_swap": factors}
 
+def when(step):
+    """The updates before the swap, as the tables and the figure say it."""
+    late = f"; -at{step}: after {step}" if step != SWAP_STEP else ""
+    return f"after {SWAP_STEP} updates{late}"
+
 def print_read(out):
+    step = out["swap_step"]
     print(f"\n{ARM}: held-out (fp32 engine), mean +- s.e. (n); runs below {FELL}; "
-          f"held-out at the swap (after {SWAP_STEP} updates), by seed\n")
+          f"held-out at the swap ({when(step)}), by seed\n")
     print("| variant | held-out | fell | at the swap |\n|---|---|---|---|")
     for v, c in out["variants"].items():
         at = " ".join(fmt(x, ".2f") for x in c["heldout_at_swap"])
@@ -94,7 +125,9 @@ def print_read(out):
               f" | {c['fell']} of {len(c['seeds'])} | {at} |")
     if out["contrasts"]:
         print_contrasts(out["contrasts"])  # causal.py's rows, the same columns
-    print(f"\nmean |d| on update {SWAP_STEP}, swapped over unswapped (by seed; geometric mean)")
+    print(f"\nmean |d| on the swap's update ({when(step)}), swapped over unswapped "
+          "(by seed; geometric mean)" if step != SWAP_STEP else f"\nmean |d| on update "
+          f"{SWAP_STEP}, swapped over unswapped (by seed; geometric mean)")
     for v, f in out["factor_at_swap"].items():
         seeds = " ".join(f"{x:.2f}" for x in f["by_seed"].values())
         print(f"  {v} over {SWAPS[v][0]}: {seeds}; {f['geometric_mean']:.2f}")
@@ -110,8 +143,10 @@ def figure(out):
         left.plot(x, m, ls, color=color, label=f"{v} ({len(c['seeds'])})")
         lo, hi = [a - b for a, b in zip(m, se)], [a + b for a, b in zip(m, se)]
         left.fill_between(x, lo, hi, color=color, alpha=0.15)
-    left.axvline(SWAP_STEP - 0.5, color="k", lw=0.6, ls=":")
-    left.set_xlabel(f"step (the swap: between steps {SWAP_STEP - 1} and {SWAP_STEP})", fontsize=8)
+    for step in sorted({SWAP_STEP, out["swap_step"]}):
+        left.axvline(step - 0.5, color="k", lw=0.6, ls=":")
+    steps = "; ".join(f"{s - 1} and {s}" for s in sorted({SWAP_STEP, out["swap_step"]}))
+    left.set_xlabel(f"step (the swap: between steps {steps})", fontsize=8)
     left.set_title("training reward, mean +- s.e. over seeds", fontsize=9)
     left.legend(fontsize=7)
     for i, (v, c) in enumerate(cells.items()):
@@ -127,10 +162,12 @@ def figure(out):
 
 def main(argv=None):
     p = runs_parser("the swap: a library changed after SWAP_STEP updates")
+    p.add_argument("--step", type=int, default=SWAP_STEP, choices=[SWAP_STEP, LATE_SWAP],
+                   help="read the swaps at this update (plans.LATE_SWAP: beside the first)")
     args = parse_runs(p, argv)
     if args.arms not in (None, [ARM]):
         refuse(f"--arms: the swap has one arm, {ARM} (plans.SWAPS)")
-    out = read(args.path, args.seeds)
+    out = read(args.path, args.seeds, args.step)
     print_read(out)
     save(figure(out), args.out, out)
 

@@ -205,6 +205,10 @@ def test_a_swap_goes_on_from_its_before_sides_stop_or_is_refused(tmp_path, capsy
     assert train[-1] == "--resume" and (runs / name / "checkpoint.pt").read_bytes() == b"step 10"
     assert train[train.index("--swap-from") + 1] == "bf16-trunc" and "--hide-amx" in train
     assert "--library" not in train  # the after side: the chip's own library, AMX hidden
+    (late, *_), = [r for r in plans.plan_runs("swap-late", [3]) if "trunc-to-noamx" in r[0]]
+    with pytest.raises(SystemExit):  # a later swap needs its own stop, not SWAP_STEP's
+        campaign.refuse_unswappable([(late, flags, opts)], args)
+    assert f"--stop-after {plans.LATE_SWAP} " in capsys.readouterr().err
 
 
 def test_a_swapped_run_repeats_its_stop_then_reads_the_other_librarys_mismatch(warm_dir, tmp_path):
@@ -229,5 +233,5 @@ def test_a_swapped_run_repeats_its_stop_then_reads_the_other_librarys_mismatch(w
     assert same[0] == same[1] and len(swap) == len(twin) == 2
     recorded = json.loads((tmp_path / "swap" / "args.json").read_text())
     assert (recorded["swap_from"], recorded["swap_step"], recorded["kernel_library"]) == ("bf16-trunc", 1, "_C")
-    assert results.variant(recorded) == "bf16-trunc-to-noamx"
+    assert results.variant(recorded) == "bf16-trunc-to-noamx-at1"  # not plans.SWAP_STEP: named so
     assert swap[1]["mismatch_logp_abs_mean"] < twin[1]["mismatch_logp_abs_mean"], (swap[1], twin[1])

@@ -7,16 +7,19 @@ import os
 import pytest
 
 import swap
-from plans import SWAP_STEP
+from plans import LATE_SWAP, SWAP_STEP
 
 MACHINE = {"cpu": "chip", "gpu": None, "cpu_isa": ["avx2"], "torch": "t", "vllm": "v", "host": "h"}
 ARGS = {"bf16-trunc": {"kernel_library": "_C_AVX512"}, "bf16-noamx": {"amx_hidden": True},
-        "bf16-trunc-to-noamx": {"amx_hidden": True, "swap_from": "bf16-trunc"},
-        "bf16-noamx-to-trunc": {"kernel_library": "_C_AVX512", "swap_from": "bf16-noamx"}}
+        "bf16-trunc-to-noamx": {"amx_hidden": True, "swap_from": "bf16-trunc", "swap_step": SWAP_STEP},
+        "bf16-noamx-to-trunc": {"kernel_library": "_C_AVX512", "swap_from": "bf16-noamx", "swap_step": SWAP_STEP}}
+ARGS.update({f"{v}-at{LATE_SWAP}": {**ARGS[v], "swap_step": LATE_SWAP} for v in list(ARGS) if "-to-" in v})
 HELDOUT = {"bf16-trunc": [0.2, 0.3, 0.9], "bf16-noamx": [0.96, 0.95, 0.97],
            "bf16-trunc-to-noamx": [0.7, 0.9, 0.9], "bf16-noamx-to-trunc": [0.9, 0.4, 0.8]}
 MISMATCH = {"bf16-trunc": 4e-3, "bf16-noamx": 1e-3, "bf16-trunc-to-noamx": 2e-3,
-            "bf16-noamx-to-trunc": 2.5e-3}  # each variant's on update SWAP_STEP
+            "bf16-noamx-to-trunc": 2.5e-3}  # each variant's on update SWAP_STEP (and LATE_SWAP)
+LATE = {"bf16-trunc-to-noamx-at20": [0.5, 0.6, 0.8], "bf16-noamx-to-trunc-at20": [0.95, 0.9, 0.9]}
+MISMATCH.update({"bf16-trunc-to-noamx-at20": 1e-3, "bf16-noamx-to-trunc-at20": 3e-3})
 
 
 def write_run(folder, name, args, acc, rows):
@@ -30,27 +33,29 @@ def write_run(folder, name, args, acc, rows):
 def rows_of(v, seed, n):
     rest = {"pi_bucket_frac": [0.1, 0.1, 0.2, 0.3, 0.3], "pi_bucket_logp_abs_mean": [1e-3, 1e-4, 1e-5, 1e-6, 0.0],
             "response_len_mean": 24.0, "entropy_mean": 0.1, "logit_rms": 3.0}
-    mismatch = [MISMATCH[v] * (1 + seed) if s == SWAP_STEP else 1e-4 for s in range(n)]
+    mismatch = [MISMATCH[v] * (1 + seed) if s in (SWAP_STEP, LATE_SWAP) else 1e-4 for s in range(n)]
     return [{"step": s, "reward_mean": 0.9, "mismatch_logp_abs_mean": m, **rest} for s, m in enumerate(mismatch)]
 
 
-def swap_folder(root):
-    folder = os.path.join(root, "chip")
-    for v, accs in HELDOUT.items():
+def swap_folder(root, late=False):
+    """Whole runs of SWAP_STEP + 1 rows (LATE_SWAP + 1 with late, and the later swaps); the
+    stops of the unswapped variants at SWAP_STEP (and LATE_SWAP), held-out half (a third)."""
+    folder, n = os.path.join(root, "chip"), (LATE_SWAP if late else SWAP_STEP) + 1
+    for v, accs in {**HELDOUT, **(LATE if late else {})}.items():
         for seed, acc in enumerate(accs):
-            args = {"dtype": "bf16", "seed": seed, "steps": SWAP_STEP + 1, "machine": MACHINE, **ARGS[v]}
-            write_run(folder, f"gspo-engine-{v}-s{seed}", args, acc, rows_of(v, seed, SWAP_STEP + 1))
-            if "-to-" not in v:  # its stop, the swaps' start
-                stop = {**args, "stop_after": SWAP_STEP}
-                write_run(os.path.join(folder, f"step{SWAP_STEP}"), f"gspo-engine-{v}-s{seed}", stop,
-                          acc / 2, rows_of(v, seed, SWAP_STEP))
+            args = {"dtype": "bf16", "seed": seed, "steps": n, "machine": MACHINE, **ARGS[v]}
+            write_run(folder, f"gspo-engine-{v}-s{seed}", args, acc, rows_of(v, seed, n))
+            for step, part in ((SWAP_STEP, 2), (LATE_SWAP, 3))[:1 + late] if "-to-" not in v else ():
+                stop = {**args, "stop_after": step}
+                write_run(os.path.join(folder, f"step{step}"), f"gspo-engine-{v}-s{seed}", stop,
+                          acc / part, rows_of(v, seed, step))
     return folder
 
 
 def test_the_swaps_table_by_hand(tmp_path, capsys):
     out = swap.read(swap_folder(str(tmp_path)), None)
     cells = out["variants"]
-    assert list(cells) == swap.ORDER
+    assert list(cells) == swap.order(SWAP_STEP) == swap.FIRST
     assert cells["bf16-trunc"]["fell"] == 2 and cells["bf16-noamx-to-trunc"]["fell"] == 1
     assert cells["bf16-trunc-to-noamx"]["heldout_at_swap"] == [0.1, 0.15, 0.45]  # the trunc stops'
     assert cells["bf16-noamx"]["heldout_at_swap"] == [0.48, 0.475, 0.485]
@@ -64,6 +69,29 @@ def test_the_swaps_table_by_hand(tmp_path, capsys):
     assert abs(factors["bf16-noamx-to-trunc"]["geometric_mean"] - 2.5) < 1e-12
     swap.print_read(out)
     assert "| bf16-trunc | 0.4667" in capsys.readouterr().out
+
+
+def test_the_later_swaps_table_beside_the_first_by_hand(tmp_path):
+    """--step LATE_SWAP: the later swaps after their first ones, each with its own stop's held-out
+    and its own update's factor; six contrasts, the later swap against the first among them."""
+    out = swap.read(swap_folder(str(tmp_path), late=True), None, LATE_SWAP)
+    cells, late = out["variants"], f"-at{LATE_SWAP}"
+    assert list(cells) == ["bf16-noamx", "bf16-noamx-to-trunc", "bf16-noamx-to-trunc" + late, "bf16-trunc",
+                           "bf16-trunc-to-noamx", "bf16-trunc-to-noamx" + late]
+    assert cells["bf16-trunc-to-noamx" + late]["heldout_at_swap"] == pytest.approx([0.2 / 3, 0.1, 0.3])
+    assert cells["bf16-trunc-to-noamx"]["heldout_at_swap"] == [0.1, 0.15, 0.45]  # still the first stops'
+    assert cells["bf16-trunc"]["heldout_at_swap"] == pytest.approx([0.2 / 3, 0.1, 0.3])
+    tests = {(t["a"], t["b"]): t for t in out["contrasts"]}
+    assert len(tests) == 6 and all(t["tests_in_table"] == 6 for t in tests.values())
+    waited = tests[("bf16-trunc-to-noamx" + late, "bf16-trunc-to-noamx")]  # -0.2, -0.3, -0.1
+    assert abs(waited["mean"] + 0.2) < 1e-12 and waited["p_sign_flip"] == 0.25  # 2 of 8 reach |sum| 0.6
+    factors = out["factor_at_swap"]  # on update LATE_SWAP: 1e-3 over 4e-3, 3e-3 over 1e-3
+    assert abs(factors["bf16-trunc-to-noamx" + late]["geometric_mean"] - 0.25) < 1e-12
+    assert abs(factors["bf16-noamx-to-trunc" + late]["geometric_mean"] - 3.0) < 1e-12
+    assert abs(factors["bf16-noamx-to-trunc"]["geometric_mean"] - 2.5) < 1e-12  # on update SWAP_STEP
+    swap.main([swap_folder(str(tmp_path / "again"), late=True), "--step", str(LATE_SWAP),
+               "--out", str(tmp_path / "late.png")])
+    assert json.load(open(tmp_path / "late.json"))["variants"] == json.loads(json.dumps(cells))
 
 
 def test_the_swaps_figure_and_its_json(tmp_path):
