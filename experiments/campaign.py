@@ -100,10 +100,14 @@ def commands(name, flags, opts, args, results):
             steps.append(probe + ["--json", warm])
     return steps
 
+def swap_of(name):
+    """A run's swap variant (plans.SWAPS), or None."""
+    return next((v for v in SWAPS if f"-{v}-s" in name), None)
+
 def swap_source(args, name):
     """A swap run's start (plans.SWAPS): its before variant's stop at
     its swap's update N, in runs/campaign/stepN/; None for any other."""
-    variant = next((v for v in SWAPS if f"-{v}-s" in name), None)
+    variant = swap_of(name)
     if variant is None:
         return None
     before, _, step = SWAPS[variant]
@@ -116,9 +120,8 @@ def refuse_unswappable(todo, args):
         start = swap_source(args, name)
         kept = os.path.isfile(os.path.join(args.runs, name, "checkpoint.pt"))
         if start and not kept and not finished(start, readings_too=False):
-            step = os.path.basename(os.path.dirname(start)).removeprefix("step")
             refuse(f"{name}: no stop in {start}: first campaign.py --plan swap-stops "
-                   f"--stop-after {step} with the same --seeds")
+                   f"--stop-after {SWAPS[swap_of(name)][2]} with the same --seeds")
 
 def earlier_stop(args, name):
     """This run's folder at the latest --stop-after below this one (any,

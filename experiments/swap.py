@@ -46,16 +46,16 @@ def order(step):
     """The variants read at a swap step: the first four, and after
     each first swap its later one (at LATE_SWAP)."""
     late = swap_suffix(step)
-    return list(dict.fromkeys(x for v in FIRST for x in (v, v + ("-to-" in v) * late)))
+    return [x for v in FIRST for x in [v] + ([v + late] if "-to-" in v and late else [])]
 
 def contrasts(step):
     """Each swap against its before side (what the swap changed), then
     against its after side (what the updates before it left); a later
     swap against the first one too (what waiting changed)."""
-    late, trunc, noamx = swap_suffix(step), "bf16-trunc", "bf16-noamx"
-    swaps = [(f"{trunc}-to-noamx{late}", trunc), (f"{noamx}-to-trunc{late}", noamx),
-             (f"{trunc}-to-noamx{late}", noamx), (f"{noamx}-to-trunc{late}", trunc)]
-    return swaps + [(v + late, v) for v in FIRST if "-to-" in v and late]
+    late = swap_suffix(step)
+    first = [v for v, (_, _, at) in SWAPS.items() if at == SWAP_STEP]
+    sides = [(v + late, SWAPS[v][side]) for side in (0, 1) for v in first]
+    return sides + [(v + late, v) for v in first if late]
 
 def at_swap(path, seeds, step):
     """{variant: {seed: held-out}} of the stops after `step` updates."""
@@ -125,9 +125,8 @@ def print_read(out):
               f" | {c['fell']} of {len(c['seeds'])} | {at} |")
     if out["contrasts"]:
         print_contrasts(out["contrasts"])  # causal.py's rows, the same columns
-    print(f"\nmean |d| on the swap's update ({when(step)}), swapped over unswapped "
-          "(by seed; geometric mean)" if step != SWAP_STEP else f"\nmean |d| on update "
-          f"{SWAP_STEP}, swapped over unswapped (by seed; geometric mean)")
+    on = f"update {step}" if step == SWAP_STEP else f"the swap's update ({when(step)})"
+    print(f"\nmean |d| on {on}, swapped over unswapped (by seed; geometric mean)")
     for v, f in out["factor_at_swap"].items():
         seeds = " ".join(f"{x:.2f}" for x in f["by_seed"].values())
         print(f"  {v} over {SWAPS[v][0]}: {seeds}; {f['geometric_mean']:.2f}")
