@@ -33,12 +33,13 @@ CONTROL = [("bf16-trunc", "bf16-noamx"), ("bf16-noamx", "bf16")]
 
 def growth_before_fall(rows):
     """(the step the reward first fell below FELL, the largest mean |d| before it over step
-    0's), or None for a run whose reward never fell."""
+    0's: None on an aligned run, whose mismatch is 0), or None for a run that never fell."""
     fall = next((r["step"] for r in rows if r["reward_mean"] < FELL), None)
     if fall is None:
         return None
     first = rows[0]["mismatch_logp_abs_mean"]
-    return fall, max(r["mismatch_logp_abs_mean"] for r in rows[:fall + 1]) / first
+    most = max(r["mismatch_logp_abs_mean"] for r in rows[:fall + 1])
+    return fall, most / first if first else None
 
 def arm_table(by_variant):
     """Per variant: seeds, held-out, falls, growth; then the contrasts present."""

@@ -52,6 +52,13 @@ def test_the_falls_the_contrasts_and_the_growth_by_hand(tmp_path, capsys):
     assert "| bf16 | 0.3500 +- 0.3014 (3) | 2 of 3 |" in capsys.readouterr().out
 
 
+def test_an_aligned_run_whose_reward_fell_has_no_growth_to_read():
+    """Mismatch 0 from step 0 (the trainer on the engine's kernels): the fall's step, no ratio."""
+    rows = [{**r, "mismatch_logp_abs_mean": 0.0} for r in reward_rows(fell=True)]
+    assert causal.growth_before_fall(rows) == (3, None)
+    assert causal.growth_before_fall(reward_rows(fell=True)) == (3, 5.0)
+
+
 def test_the_amx_control_is_a_family_of_its_own(tmp_path, capsys):
     """bf16-noamx (AMX hidden, recorded in args.json) against bf16-trunc and bf16: CONTROL's two
     contrasts, Holm over those two alone; the main table's contrast Holm over its own one."""
