@@ -109,15 +109,11 @@ def read(path, seeds, step=SWAP_STEP):
     return {"machine": where, "swap_step": step, "fell_below": FELL,
             "variants": cells, "contrasts": tests, "factor_at_swap": factors}
 
-def when(step):
-    """The updates before the swap, as the tables and the figure say it."""
-    late = f"; -at{step}: after {step}" if step != SWAP_STEP else ""
-    return f"after {SWAP_STEP} updates{late}"
-
 def print_read(out):
-    step = out["swap_step"]
+    step, first = out["swap_step"], f"after {SWAP_STEP} updates"
+    at = first if step == SWAP_STEP else f"the first swaps {first}, the rest after {step}"
     print(f"\n{ARM}: held-out (fp32 engine), mean +- s.e. (n); runs below {FELL}; "
-          f"held-out at the swap ({when(step)}), by seed\n")
+          f"held-out at the swap ({at}), by seed\n")
     print("| variant | held-out | fell | at the swap |\n|---|---|---|---|")
     for v, c in out["variants"].items():
         at = " ".join(fmt(x, ".2f") for x in c["heldout_at_swap"])
@@ -125,7 +121,8 @@ def print_read(out):
               f" | {c['fell']} of {len(c['seeds'])} | {at} |")
     if out["contrasts"]:
         print_contrasts(out["contrasts"])  # causal.py's rows, the same columns
-    on = f"update {step}" if step == SWAP_STEP else f"the swap's update ({when(step)})"
+    late = f"the swap's update ({SWAP_STEP}; -at{step}: {step})"
+    on = f"update {step}" if step == SWAP_STEP else late
     print(f"\nmean |d| on {on}, swapped over unswapped (by seed; geometric mean)")
     for v, f in out["factor_at_swap"].items():
         seeds = " ".join(f"{x:.2f}" for x in f["by_seed"].values())
