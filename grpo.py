@@ -39,6 +39,7 @@ class Batch:
     mu_logp: torch.Tensor  # (N, T-1) the engine's log-probs of them
     adv: torch.Tensor      # (N,) the group advantages
     log: dict              # the rollout's figures, for the metrics row
+
     def select(self, rows):
         return Batch(self.idx[rows], self.mask[rows], self.mu_logp[rows], self.adv[rows], {})
 
@@ -132,7 +133,8 @@ def optimizer_step(model, opt, scaler, loss):
     if scaler.is_enabled() or finite:
         scaler.step(opt)
     scaler.update()
-    return grad_norm, scaler.get_scale() < scale_before if scaler.is_enabled() else not finite
+    lowered = scaler.get_scale() < scale_before  # fp16: the scaler skipped the step
+    return grad_norm, lowered if scaler.is_enabled() else not finite
 
 def minibatch_rows(n, update, step):
     """n rows in update.minibatches near-equal parts, shuffled as oat does."""

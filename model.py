@@ -39,7 +39,8 @@ class GPTConfig:
             raise ValueError(f"n_embd/n_head = {self.n_embd}/{self.n_head} must be a head "
                              f"size vLLM's attention accepts: {VLLM_HEAD_SIZES}")
         if self.max_seq_len > MAX_SEQ_LEN:  # --n-items 5000 would train for hours
-            raise ValueError(f"{self.max_seq_len} positions (--n-items, --max-new-tokens): max {MAX_SEQ_LEN}")
+            raise ValueError(f"{self.max_seq_len} positions (--n-items, --max-new-tokens): "
+                             f"max {MAX_SEQ_LEN}")
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
@@ -168,7 +169,10 @@ def hf_config(cfg):
 def write_atomic(path, data):
     """data: text, or save(tmp) writing the file; then a rename: a kill leaves the old file
     or the new, never half of one."""
-    data(path + ".tmp") if callable(data) else Path(path + ".tmp").write_text(data)
+    if callable(data):
+        data(path + ".tmp")
+    else:
+        Path(path + ".tmp").write_text(data)
     os.replace(path + ".tmp", path)
 
 def save_hf(model, out_dir):

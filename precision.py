@@ -51,11 +51,13 @@ class Precision:
         # On CUDA the 16-bit kernels are native; a CPU emulates them.
         on_cpu = self.device == "cpu"
         ops = TensorCoreMatmuls(self.dtype, strict=True) if on_cpu else nullcontext()
+
         def run(idx):
             weights = {n: p.to(self.dtype) for n, p in model.named_parameters()}
             with ops:
                 return functional_call(model, weights, (idx,), {"head_dtype": head_dtype})
         return run
+
     def grad_scaler(self):  # halve on inf/nan (and skip), double after clean steps
         return torch.amp.GradScaler(self.device, init_scale=INIT_SCALE,
                                     growth_interval=GROWTH_INTERVAL,
@@ -74,8 +76,9 @@ def get_precision(name, engine=None, lm_head="same", device=None, kernels="torch
     no_bf16 = device == "cuda" and not torch.cuda.is_bf16_supported()
     if "bf16" in (name, engine) and no_bf16:
         raise ValueError("bf16: this GPU has no bfloat16 support (use fp16 or fp32)")
-    if kernels == "engine" and (name == "fp32" or engine != name or lm_head == "fp32" or device != "cpu"):
-        raise ValueError("--trainer-kernels engine: bf16 or fp16 on a CPU, the engine and LM head the same")
+    alike = (engine, lm_head, device) == (name, "same", "cpu")  # what aligned.py serves
+    if kernels == "engine" and (name == "fp32" or not alike):
+        raise ValueError("--trainer-kernels engine: bf16 or fp16 on a CPU, engine and head alike")
     return Precision(name, TORCH_DTYPE[name], TORCH_DTYPE[engine], VLLM_DTYPE[engine],
                      lm_head == "fp32", device, kernels)
 

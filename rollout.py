@@ -24,7 +24,7 @@ class Sample:
     logprobs: list          # the engine's log-prob of each (float32 log_softmax)
     finished: bool          # stopped at <|eos|>; False means cut at max_tokens
 
-def start_engine(ckpt_dir, vllm_dtype, seed, max_model_len, head_fp32=False, **more):
+def start_engine(ckpt_dir, vllm_dtype, seed, max_model_len, head_fp32=False, **engine_options):
     from vllm import LLM  # here: `import rollout` stays quick and sets the variables first
     return LLM(
         model=ckpt_dir, seed=seed, max_model_len=max_model_len,
@@ -36,7 +36,7 @@ def start_engine(ckpt_dir, vllm_dtype, seed, max_model_len, head_fp32=False, **m
         enforce_eager=True,            # no CUDA graphs, no compilation: the same kernels
         gpu_memory_utilization=0.3,  # the engine's share of a GPU
         enable_prefix_caching=True,    # a group's n samples share a prompt; reset at a sync
-        use_tqdm_on_load=False, **more)  # more: experiments/dial.py's
+        use_tqdm_on_load=False, **engine_options)  # experiments/: kernels, the dial
 
 def generate(llm, prompts, n, max_tokens, eos_id):
     """Sample n responses for each prompt (a list of token-id lists)."""

@@ -46,6 +46,7 @@ def make_splits(seed, n_items, n_eval):
     while len(eval_set) < n_eval:
         prompt, answer = make_problem(rng, n_items)
         eval_set[prompt] = answer
+
     def train_batch(key, n):
         rng, batch = random.Random(seed_of("train", seed, *key)), []
         while len(batch) < n:

@@ -20,8 +20,6 @@ import importlib.util
 import json
 import math
 import os
-import shutil
-import subprocess
 import sys
 import time
 
@@ -29,7 +27,8 @@ import torch
 
 import task
 from grpo import ALGORITHMS, CAPS, Batch, Update, group_advantages, grpo_step
-from model import hf_named_tensors, load_hf, pack, read_config, save_hf, token_logprobs, write_atomic
+from model import (hf_named_tensors, load_hf, pack, read_config, save_hf, token_logprobs,
+                   write_atomic)
 from precision import DTYPES, get_precision, mismatch_metrics
 from rollout import generate, start_engine, sync_weights
 from warm_start import model_config, warm_start
@@ -96,7 +95,7 @@ def learning_rate(args, step):
     return args.lr * warm * (LR_FLOOR + (1 - LR_FLOOR) * cosine)
 
 def open_run(args, record):
-    """The resume state (or None), and args.json (flags, commit, record); refuses bad ones."""
+    """The resume state (or None), and args.json (flags, record); refuses bad ones."""
     path, state = os.path.join(args.out, "checkpoint.pt"), None
     if args.resume:
         try:
@@ -106,20 +105,11 @@ def open_run(args, record):
             refuse(f"--resume: {path} is damaged ({type(e).__name__}: {e})".splitlines()[0])
     try:
         os.makedirs(args.out, exist_ok=True)
-        info = json.dumps({**vars(args), **code_version(), **(record or {})}, indent=2)
+        info = json.dumps({**vars(args), **(record or {})}, indent=2)
         write_atomic(os.path.join(args.out, "args.json"), info)
     except OSError as e:
         refuse(f"--out {args.out} cannot be written: {e.strerror}")
     return state
-
-def code_version():  # the commit, and whether a tracked .py differs: what computed a run
-    git = ["git", "-C", os.path.dirname(os.path.abspath(__file__))]
-    run = lambda *cmd: subprocess.run(git + list(cmd), capture_output=True, text=True)  # noqa
-    head = run("rev-parse", "HEAD") if shutil.which("git") else None
-    if not head or head.returncode:  # no git, or not a checkout
-        return {"commit": None, "dirty": None}
-    changed = run("status", "--porcelain", "-uno", "--", "*.py").stdout
-    return {"commit": head.stdout.strip(), "dirty": bool(changed.strip())}
 
 def resume(out, state, model, opt, scaler):  # metrics.jsonl cut to the state: no step twice
     for part, key in ((model, "model"), (opt, "opt"), (scaler, "scaler")):
@@ -133,9 +123,9 @@ def resume(out, state, model, opt, scaler):  # metrics.jsonl cut to the state: n
 def stop(args, step, why):  # a value the run cannot go on from; the last checkpoint is good
     raise SystemExit(f"error: step {step}: {why}; checkpoint and metrics in {args.out}")
 
-def train(args, llm=None, instruments=None, record=None, until=None, more=None):
+def train(args, llm=None, instruments=None, record=None, until=None, engine_options=None):
     """The whole run. llm: an engine to reuse (the tests share one). For experiments/:
-    instruments (fields a row), record (for args.json), until (stop early), more (engine's)."""
+    instruments (fields a row), record (args.json's), until (stop early), engine_options."""
     state = open_run(args, record)
     prec = get_precision(args.dtype, args.engine_dtype, args.lm_head, kernels=args.trainer_kernels)
     eval_problems, train_batch = task.make_splits(args.seed, args.n_items, task.N_EVAL)
@@ -148,7 +138,8 @@ def train(args, llm=None, instruments=None, record=None, until=None, more=None):
                     args.max_new_tokens, args.minibatches, args.seed)
     start = resume(args.out, state, model, opt, scaler) if state else 0
     if llm is None:
-        llm = start_engine(ckpt, prec.vllm_dtype, args.seed, cfg.max_seq_len, prec.head_fp32, **(more or {}))
+        llm = start_engine(ckpt, prec.vllm_dtype, args.seed, cfg.max_seq_len, prec.head_fp32,
+                           **(engine_options or {}))
     sync_weights(llm, hf_named_tensors(model), prec.engine_dtype)  # the trainer's weights
     acc0 = evaluate(llm, eval_problems, args, -1) if start == 0 else None
     print(f"trainer {args.dtype} ({prec.kernels}'s kernels) | engine {prec.vllm_dtype} | LM "
@@ -164,14 +155,16 @@ def train(args, llm=None, instruments=None, record=None, until=None, more=None):
         t2 = time.perf_counter()
         if not torch.isfinite(torch.stack([batch.mu_logp, pi])[:, batch.mask.bool()]).all():
             stop(args, step, "non-finite log-prob (engine or trainer)")
-        more = instruments.step(model, prec, batch, pi) if instruments else {}
+        measured = instruments.step(model, prec, batch, pi) if instruments else {}
         stats = grpo_step(model, opt, scaler, prec, batch, pi, update, step, instruments)  # 3.
-        if not math.isfinite(stats["loss"]) or stats["step_skipped"] and not scaler.is_enabled():
+        # fp16 skips a non-finite gradient (the GradScaler); bf16 and fp32 have no such step
+        unscaled_skip = stats["step_skipped"] and not scaler.is_enabled()
+        if not math.isfinite(stats["loss"]) or unscaled_skip:
             stop(args, step, f"non-finite loss ({stats['loss']}) or bf16/fp32 gradient")
         t3 = time.perf_counter()
         sync_s = sync_weights(llm, hf_named_tensors(model), prec.engine_dtype)  # 4. sync
         rec = {"step": step, "lr": opt.param_groups[0]["lr"], **batch.log,
-               **mismatch_metrics(batch.mu_logp, pi, batch.mask), **more, **stats,
+               **mismatch_metrics(batch.mu_logp, pi, batch.mask), **measured, **stats,
                "time_logprob_s": t2 - t1, "time_train_s": t3 - t2, "time_sync_s": sync_s}
         if step == 0:
             rec["eval_accuracy_before"] = acc0
@@ -193,11 +186,15 @@ def refuse(message):  # bad input: one line, exit status 2, before any work
 
 def bounded(kind, low, inclusive=True):
     """An argparse type: a finite `kind` number >= low (or > low)."""
+
     def parse(text):
         value = kind(text)  # a ValueError becomes argparse's "invalid int value"
-        if not math.isfinite(value) or not (value >= low if inclusive else value > low):
-            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low}, got {text}")
+        above = (value >= low) if inclusive else (value > low)
+        if not (math.isfinite(value) and above):
+            sign = ">=" if inclusive else ">"
+            raise argparse.ArgumentTypeError(f"must be {sign} {low}, got {text}")
         return value
+
     parse.__name__ = kind.__name__
     return parse
 
@@ -242,7 +239,8 @@ def check(args):
         refuse("vLLM is not installed: run `bash setup.sh`")
     try:
         get_precision(args.dtype, args.engine_dtype, args.lm_head, kernels=args.trainer_kernels)
-        cfg = model_config(args.n_items, args.max_new_tokens, args.n_layer, args.n_head, args.n_embd)
+        cfg = model_config(args.n_items, args.max_new_tokens, args.n_layer, args.n_head,
+                           args.n_embd)
         if args.init and read_config(args.init).max_seq_len < cfg.max_seq_len:
             raise ValueError(f"--init {args.init}: its context is shorter than this task's")
     except ValueError as e:

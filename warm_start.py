@@ -8,7 +8,6 @@ like a base model, it solves most problems at temperature 1 but not all: RL's ga
 It teaches: every dtype's RL run starts from the same float32 weights, trained as base
 models are (bf16 matmuls, no loss scaling). Left out: a pretraining corpus.
 """
-import argparse
 import hashlib
 import json
 import math
@@ -71,11 +70,3 @@ def warm_start(cfg, n_items, seed, device):
             print(f"warm start {step:4d}/{SFT_STEPS} | loss {loss.item():.4f}", flush=True)
     save_hf(model, ckpt)
     return ckpt
-
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description="the warm start, trained and cached")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--n-items", type=int, default=12)
-    args, device = p.parse_args(), "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = model_config(args.n_items, 2 * args.n_items + 8)  # train_grpo's default budget
-    print(warm_start(cfg, args.n_items, args.seed, device))

@@ -29,7 +29,7 @@ from common import fmt, t_quantile
 from instruments import machine
 from model import token_logprobs
 from offline import DTYPES, base_parser, mismatch_metrics, parse, rl_args, setup
-from plans import DIAL_SHAPES
+from variants import DIAL_SHAPES
 from precision import get_precision
 from rollout import start_engine
 from train_grpo import rollout  # the loop's step 1: a run's own batches

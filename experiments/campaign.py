@@ -6,6 +6,7 @@ resumable: stop it at any moment, run the same command again, and it goes on whe
     python experiments/campaign.py --list                              # what is done, what is left
     python experiments/campaign.py --plan extend --seeds 5 6 7         # more seeds of a plan
     python experiments/campaign.py --plan midrun --stop-after 8        # arm 1 after 8 of 40 steps
+    python experiments/campaign.py --arms grpo --variants bf16 fp16    # any variants, on an arm
 
 A run is `train_grpo.py --seed S` with its arm's and variant's flags, in
 runs/campaign/ARM-VARIANT-sS (--seed picks the warm start too: one per seed, cached); a run left
@@ -15,16 +16,11 @@ go to results/<machine>/: committed, skipped next time, what the figures are dra
 <machine> is the CPU model and the ISA features vLLM's kernels read: runs are paired only
 within one machine's folder. --stop-after N ends every run after its N-th update (of its own
 schedule: its rows equal the whole run's) and reads that policy; results/<machine>/stepN/
-keeps them; a later stop, or the whole run, goes on from an earlier
-stop's checkpoint where it is kept (resume is exact). A variant's
-engine options (plans.run_options) reach --run: the dial's dose,
---library (vLLM's kernels from that library, rounding.py),
---rotary-torch (the rotary embedding on torch's path),
---hide-amx (the chip's own library without its AMX kernels),
---swap-from (plans.SWAPS: the run goes on from that variant's stop).
-A campaign refuses a tree with uncommitted changes to tracked files,
-unless --allow-dirty, which keeps the diff beside each run
-(diff.patch): a result names its code.
+keeps them; a later stop, or the whole run, goes on from an earlier stop's checkpoint where
+it is kept (resume is exact). A run's variant reaches --run by name (--variant): its record
+(variants.py) gives the engine's options, one value from here to rollout.start_engine.
+A campaign refuses a tree with uncommitted changes to tracked files, unless --allow-dirty,
+which keeps the diff beside each run (diff.patch): a result names its code.
 """
 import json
 import os
@@ -36,8 +32,9 @@ import time
 
 from common import ROOT, load, parser, refuse
 from instruments import machine
-from plans import BEFORE, DIAL_SHAPES, PLANS, SWAPS, plan_runs, probed
-from rounding import LIBRARIES, refuse_unrunnable
+from plans import PLANS, plan_runs, probed
+from rounding import refuse_unrunnable
+from variants import VARIANTS, formats, parse_run
 
 def machine_group(m):
     """results/ subfolder name: the CPU (or GPU) model and the ISA features, as a slug."""
@@ -48,6 +45,17 @@ def tree_diff():
     """The uncommitted changes to tracked files (git diff HEAD): '' on a clean tree."""
     git = ["git", "-C", ROOT, "diff", "HEAD"]
     return subprocess.run(git, capture_output=True, text=True).stdout
+
+def code_version():
+    """The commit, and whether a tracked .py differs from it: what computed a run."""
+    def git(*cmd):
+        return subprocess.run(["git", "-C", ROOT, *cmd], capture_output=True, text=True)
+
+    head = git("rev-parse", "HEAD") if shutil.which("git") else None
+    if not head or head.returncode:  # no git, or not a checkout
+        return {"commit": None, "dirty": None}
+    changed = git("status", "--porcelain", "-uno", "--", "*.py").stdout
+    return {"commit": head.stdout.strip(), "dirty": bool(changed.strip())}
 
 def finished(folder, readings_too=True):
     """Its metrics reach its last step (args.json's) and its readings are in."""
@@ -67,7 +75,7 @@ def option(flags, name):
     """The value of a train_grpo.py flag in a run's flags, or None."""
     return flags[flags.index(name) + 1] if name in flags else None
 
-def commands(name, flags, opts, args, results):
+def commands(name, flags, variant, args, results):
     """The commands of one run, in order: train (or resume) it, read its held-out accuracy,
     and in PROBED arms its mismatch on identical tokens (its seed's warm start's once)."""
     out, py, seed = os.path.join(args.runs, name), sys.executable, option(flags, "--seed")
@@ -80,8 +88,9 @@ def commands(name, flags, opts, args, results):
         shutil.copytree(stop, out, ignore=skip)  # resume is exact
     resume = ["--resume"] if kept or stop else []
     until = ["--stop-after", str(args.stop_after)] if args.stop_after else []
-    if "--dial" in opts:  # the chip's calibration (dial.py calibrate)
-        opts = [*opts, "--dial-calibration", os.path.join(results, "dial.json")]
+    opts = ["--variant", variant.name]
+    if variant.dial:  # the chip's calibration (dial.py calibrate)
+        opts += ["--dial-calibration", os.path.join(results, "dial.json")]
     train = [py, "experiments/campaign.py", "--run", *until, *opts, "--", *flags,
              *args.extra, "--out", out, *resume]
     items = option(flags, "--n-items")
@@ -100,19 +109,15 @@ def commands(name, flags, opts, args, results):
             steps.append(probe + ["--json", warm])
     return steps
 
-def swap_of(name):
-    """A run's swap variant (plans.SWAPS), or None."""
-    return next((v for v in SWAPS if f"-{v}-s" in name), None)
-
 def swap_source(args, name):
-    """A swap run's start (plans.SWAPS): its before variant's stop at
-    its swap's update N, in runs/campaign/stepN/; None for any other."""
-    variant = swap_of(name)
-    if variant is None:
+    """A swap run's start (a variant with a swap): its before variant's stop at its swap's
+    update N, in runs/campaign/stepN/; None for any other run."""
+    arm, variant, seed = parse_run(name)
+    if not variant.swap:
         return None
-    before, _, step = SWAPS[variant]
+    before, step = variant.swap
     base = os.path.dirname(args.runs) if args.stop_after else args.runs
-    return os.path.join(base, f"step{step}", name.replace(f"-{variant}-s", f"-{before}-s"))
+    return os.path.join(base, f"step{step}", f"{arm}-{before}-s{seed}")
 
 def refuse_unswappable(todo, args):
     """One line, before any work, where a swap run has nothing to start from."""
@@ -121,7 +126,7 @@ def refuse_unswappable(todo, args):
         kept = os.path.isfile(os.path.join(args.runs, name, "checkpoint.pt"))
         if start and not kept and not finished(start, readings_too=False):
             refuse(f"{name}: no stop in {start}: first campaign.py --plan swap-stops "
-                   f"--stop-after {SWAPS[swap_of(name)][2]} with the same --seeds")
+                   f"--stop-after {parse_run(name)[1].swap[1]} with the same --seeds")
 
 def earlier_stop(args, name):
     """This run's folder at the latest --stop-after below this one (any,
@@ -140,9 +145,9 @@ def earlier_stop(args, name):
             return folder
     return None
 
-def run_one(name, flags, opts, args, results):
+def run_one(name, flags, variant, args, results):
     """One run's commands, then its small files (and the tree's diff, if any) to results."""
-    steps = commands(name, flags, opts, args, results)
+    steps = commands(name, flags, variant, args, results)
     if any(subprocess.run(cmd, cwd=ROOT).returncode != 0 for cmd in steps):
         return False  # in order, stops at a failure
     out, keep = os.path.join(args.runs, name), os.path.join(results, name)
@@ -155,41 +160,39 @@ def run_one(name, flags, opts, args, results):
     os.replace(keep + ".tmp", keep)  # the results folder holds whole runs only
     return True
 
-def train_run(argv, stop_after, dial=None, library=None, rotary_torch=False,
-              hide_amx=False, swap_from=None):
-    """One run: train_grpo.py's flags, the instruments on, the machine in args.json; with
-    stop_after n, ended after its n-th update on the schedule of all --steps (stop_after
-    recorded), its policy in hf/ as a whole run's; with dial (dose, shape, calibration file),
-    its engine perturbed by dial.py; with library, vLLM's kernels from
-    that library (the trainer's too, on them); with rotary_torch, the
-    rotary embedding on torch; with hide_amx, vLLM's AMX kernels hidden;
-    with swap_from, the variant whose stop it goes on from (recorded)."""
+def train_run(argv, stop_after, variant, calibration=None):
+    """One run: train_grpo.py's flags, the instruments on, the commit and the machine in
+    args.json; with stop_after n, ended after its n-th update on the schedule of all --steps
+    (stop_after recorded), its policy in hf/ as a whole run's. The variant's record gives the
+    engine's options (its kernel library, AMX hidden, the rotary on torch, the dial with its
+    calibration file) and what args.json records of them (variants.py's table)."""
     import instruments
     import train_grpo
 
     args = train_grpo.get_args(argv)
-    record, more = {"machine": machine()}, {}
-    if library or hide_amx:
+    record, engine_options = {**code_version(), "machine": machine()}, {}
+    if variant.library or variant.hide_amx:
         from rounding import load  # before the engine: one a process
 
-        record["kernel_library"] = load(library, amx=not hide_amx)
-    if hide_amx:
+        record["kernel_library"] = load(variant.library, amx=not variant.hide_amx)
+    if variant.hide_amx:
         record["amx_hidden"] = True
-    if swap_from:  # its rows before swap_step are that variant's
-        record.update(swap_from=swap_from, swap_step=swap_step(args.out))
-    if rotary_torch:  # vLLM keeps its first engine's: one a process
-        more["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
+    if variant.swap:  # its rows before swap_step are the before variant's
+        record.update(swap_from=variant.swap[0], swap_step=swap_step(args.out))
+    if variant.rotary_torch:  # vLLM keeps its first engine's: one a process
+        engine_options["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
         record["engine_custom_ops"] = ["-rotary_embedding"]
     if stop_after:
         record["stop_after"] = min(stop_after, args.steps)
-    if dial:
-        import dial as dial_module  # vLLM's logits processor: only when asked
+    if variant.dial:
+        import dial  # vLLM's logits processor: only when asked
 
-        dialed_engine, dialed = dial_module.dial_run_args(dial[2], dial[1], dial[0])
-        more.update(dialed_engine)
+        dose, shape = variant.dial
+        dialed_engine, dialed = dial.dial_run_args(calibration, shape, dose)
+        engine_options.update(dialed_engine)
         record.update(dialed)
     train_grpo.train(args, instruments=instruments, record=record,
-                     until=record.get("stop_after"), more=more)
+                     until=record.get("stop_after"), engine_options=engine_options)
 
 def swap_step(out):
     """The update a swap run changed library at: as its args.json says
@@ -204,6 +207,8 @@ def get_args(argv):
     p.add_argument("--plan", default="campaign", choices=list(PLANS))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--arms", nargs="+", default=None, help="only these arms of the plan")
+    p.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS),
+                   help="these variants on the plan's arms, not the plan's own")
     p.add_argument("--samples", type=int, default=8, help="held-out samples of each problem")
     p.add_argument("--runs", default=os.path.join("runs", "campaign"), help="where runs work")
     p.add_argument("--results", default="results", help="finished runs' small files, by machine")
@@ -211,41 +216,43 @@ def get_args(argv):
     p.add_argument("--stop-after", type=int, default=None, help="end runs after update N")
     p.add_argument("--allow-dirty", action="store_true", help="keep the diff beside each run")
     p.add_argument("--run", action="store_true", help="one run of train_grpo.py's flags after --")
-    p.add_argument("--dial", type=int, default=None, help="--run: the dial's dose (dial.py)")
-    p.add_argument("--dial-shape", default="uniform", choices=DIAL_SHAPES)
+    p.add_argument("--variant", default="fp16", choices=list(VARIANTS),
+                   help="--run: its record's engine options (variants.py)")
     p.add_argument("--dial-calibration", default=None, help="--run: dial.py calibrate's JSON")
-    p.add_argument("--library", default=None, choices=list(LIBRARIES),
-                   help="--run: vLLM's kernels from this library (rounding.py)")
-    p.add_argument("--rotary-torch", action="store_true",
-                   help="--run: rotary on torch's path")
-    p.add_argument("--hide-amx", action="store_true",
-                   help="--run: vLLM's AMX kernels hidden (rounding.py)")
-    p.add_argument("--swap-from", default=None, choices=BEFORE,
-                   help="--run: went on from this variant's stop (plans.SWAPS)")
     p.add_argument("extra", nargs="*", help="after --: more train_grpo.py flags for every run")
     args = p.parse_args(argv)
     if args.samples < 1 or (args.stop_after or 1) < 1:
         p.error(f"--samples and --stop-after must be >= 1, got {args.samples} and "
                 f"{args.stop_after}")
-    refuse_unrunnable(args.library, args.hide_amx)  # one line, before any work
-    if args.swap_from and "--resume" not in args.extra:
-        refuse("--swap-from: a swap goes on from a stop: give --resume and its --out")
+    if args.run:
+        refuse_unfit(VARIANTS[args.variant], args)  # one line, before any work
     unknown = set(args.arms or []) - {arm for arm, _ in PLANS[args.plan]}
     if unknown:
         p.error(f"--arms: {sorted(unknown)} not in plan {args.plan}")
     return args
 
+def refuse_unfit(variant, args):
+    """--run: one line where the variant cannot run here or as asked."""
+    refuse_unrunnable(variant.library, variant.hide_amx)  # the chip's libraries, its AMX
+    if variant.swap and "--resume" not in args.extra:
+        refuse(f"--variant {variant.name}: a swap goes on from a stop: give --resume and its "
+               "--out")
+    if variant.dial and not args.dial_calibration:
+        refuse(f"--variant {variant.name}: the dial needs --dial-calibration (dial.py calibrate)")
+    if formats(args.extra) != formats(variant.flags):  # args.json would name another
+        refuse(f"--variant {variant.name}: its flags are {' '.join(variant.flags)}, the "
+               f"run's formats {formats(args.extra)}")
+
 def main(argv=None):
     args = get_args(argv)
     if args.run:
-        dial = (args.dial, args.dial_shape, args.dial_calibration) if args.dial else None
-        return train_run(args.extra, args.stop_after, dial, args.library,
-                         args.rotary_torch, args.hide_amx, args.swap_from)
+        variant = VARIANTS[args.variant]
+        return train_run(args.extra, args.stop_after, variant, args.dial_calibration)
     os.chdir(ROOT)
     stopped = [f"step{args.stop_after}"] if args.stop_after else []  # mid-run: their own folder
     results = os.path.join(args.results, machine_group(machine()), *stopped)
     args.runs = os.path.join(args.runs, *stopped)
-    runs = plan_runs(args.plan, args.seeds, args.arms, machine()["cpu_isa"])
+    runs = plan_runs(args.plan, args.seeds, args.arms, machine()["cpu_isa"], args.variants)
     todo = [(n, f, d) for n, f, d in runs if not finished(os.path.join(results, n))]
     done = len(runs) - len(todo)
     print(f"plan {args.plan}: {len(runs)} runs, {done} done in {results}", flush=True)
@@ -263,10 +270,10 @@ def main(argv=None):
 
 def run_all(todo, total, args, results):
     timed, done = [], total - len(todo)
-    for i, (name, flags, opts) in enumerate(todo):
+    for i, (name, flags, variant) in enumerate(todo):
         t0 = time.time()
         print(f"[{done + i + 1}/{total}] {name}", flush=True)
-        if not run_one(name, flags, opts, args, results):
+        if not run_one(name, flags, variant, args, results):
             print(f"campaign: {name} failed (its output is above); going on with the next run",
                   flush=True)
             continue

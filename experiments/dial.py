@@ -44,7 +44,7 @@ import common  # first: it puts the core on sys.path
 import task
 from common import PI_EDGES
 from instruments import machine, pi_buckets
-from plans import DIAL_SHAPES as SHAPES
+from variants import DIAL_SHAPES as SHAPES
 from model import hf_named_tensors, load_hf, pack, token_logprobs
 from precision import get_precision, mismatch_metrics
 from rollout import generate, start_engine, sync_weights

@@ -25,7 +25,7 @@ import re
 import numpy as np
 
 from common import fmt, holm, load, load_json, mean_se, paired, refuse
-from plans import DIAL_SHAPES
+from variants import DIAL_SHAPES
 from results import load_experiment, parse_runs, plt, runs_parser, save, variant
 
 DOSE0 = 0.01  # where dose 0 sits on the log axis, in units of the chip's bf16 (it has no log)

@@ -20,13 +20,13 @@ import numpy as np
 
 from common import (PI_EDGES, fmt, holm, load, machine_line, mean_se, paired, parser, refuse,
                     write_json)
-from plans import swap_suffix
+from variants import VARIANTS, parse_run, variant_of
 
 matplotlib.use("Agg")  # write files, never open a window
-COLORS = {"fp16": "tab:blue", "bf16": "tab:red", "fp32": "0.35", "bf16-head32": "tab:orange",
-          "bf16-engine32": "tab:purple", "bf16-aligned": "tab:green",
-          "bf16-rotary-torch": "tab:brown", "bf16-trunc": "tab:pink",
-          "bf16-trunc-aligned": "tab:olive", "bf16-noamx": "tab:cyan", "warm start": "k"}
+# Each variant's colour (its record's, variants.py), then the warm start's; the coloured
+# variants first in the tables and figures, in the records' order, then the rest
+COLORS = {**{v.name: v.color for v in VARIANTS.values() if v.color}, "warm start": "k"}
+ORDER = [*COLORS, *(v for v in VARIANTS if v not in COLORS)]
 LOW_PI = PI_EDGES.index(0.9)  # the buckets below pi = 0.9: the tokens the trainer is least sure of
 SUMMARY = (("reward_last10", "last-10 reward", ".4f"),
            ("heldout", "held-out (fp32 engine)", ".4f"))
@@ -48,20 +48,21 @@ GROWTH = (  # growth.py's table; every cell carries these per seed
 MEANS = ("mismatch_logp_abs_mean", "clip_frac_pos", "clip_frac_neg", "time_step_s")
 
 def variant(args):
-    """A run's variant, from its args.json: the dtype and each fix it turns on."""
-    name = (args["dtype"] + ("-trunc" if args.get("kernel_library", "_C") != "_C" else "")
-            + ("-noamx" if args.get("amx_hidden") else "")
-            + ("-head32" if args.get("lm_head") == "fp32" else "")
-            + ("-aligned" if args.get("trainer_kernels") == "engine" else "")
-            + ("-rotary-torch" if args.get("engine_custom_ops") else ""))
-    if args.get("engine_dtype", args["dtype"]) != args["dtype"]:
-        name += f"-engine{args['engine_dtype'][2:]}"
-    if args.get("dial_dose"):  # dial.py's runs
-        name += f"-dial{args['dial_dose']}-{args['dial_shape']}"
-    if args.get("swap_from"):  # plans.SWAPS: named before-to-after
-        name = f"{args['swap_from']}-to-{name.removeprefix(args['dtype'] + '-')}"
-        name += swap_suffix(args["swap_step"])
-    return name
+    """A run's variant's name, from the record its args.json holds (variants.variant_of)."""
+    v = variant_of(args)
+    return v and v.name
+
+def read_run(folder, name):
+    """(arm, variant, seed, args) of a run folder; its name parsed (variants.parse_run) and
+    its args.json's record the same variant's, or refused in one line: a run is never filed
+    under an arm or variant it is not."""
+    args = json.load(open(os.path.join(folder, name, "args.json")))
+    parsed, recorded = parse_run(name), variant(args)
+    if parsed is None or parsed[1].name != recorded or parsed[2] != args["seed"]:
+        refuse(f"{folder}/{name}: not ARM-VARIANT-sSEED of a known arm and variant "
+               f"(variants.py), or not what its args.json records ({recorded}, seed "
+               f"{args['seed']})")
+    return parsed[0], recorded, args["seed"], args
 
 def load_experiment(folder, seeds=None, arms=None, dial=True):
     """{arm: {variant: [(seed, rows, {held-out, growth's figures})]}} of every finished run (of
@@ -72,9 +73,7 @@ def load_experiment(folder, seeds=None, arms=None, dial=True):
         path = os.path.join(folder, name)
         if not os.path.isfile(os.path.join(path, "args.json")):
             continue
-        args = json.load(open(os.path.join(path, "args.json")))
-        v, seed = variant(args), args["seed"]
-        arm = name[: -len(f"-{v}-s{seed}")] if name.endswith(f"-{v}-s{seed}") else name
+        arm, v, seed, args = read_run(folder, name)
         if (seeds is not None and seed not in seeds) or (arms and arm not in arms):
             continue  # --seeds, --arms: a pre-registered set
         if not dial and args.get("dial_dose"):
@@ -211,7 +210,8 @@ def summarize(cells, summary):
             cell[key + "_minus_bf16"] = paired(*values) if len(both) > 1 else None
 
 def arm_cells(folder, by_variant, panels, summary, with_warm):
-    """An arm's cells, variant by variant in COLORS' order (then the warm start, if asked)."""
+    """An arm's cells, the coloured variants first in the records' order, then the rest as
+    found (then the warm start, if asked)."""
     order = sorted(by_variant, key=lambda v: list(COLORS).index(v) if v in COLORS else 99)
     cells = {v: cell_of(by_variant[v], panels) for v in order}
     warm = warm_cell(folder, cells.get("bf16", {})) if with_warm else None
@@ -288,7 +288,7 @@ def print_table(out, summary):
     """The sanity table: a row per arm, a column per variant; mean +- s.e. (n), and against
     bf16 the paired difference [95 % t interval], the sign-flip p, and Holm's p over every
     test in the table."""
-    variants = [v for v in COLORS if any(v in cells for cells in out["arms"].values())]
+    variants = [v for v in ORDER if any(v in cells for cells in out["arms"].values())]
     for key, label, spec in summary:
         tests = [d for cells in out["arms"].values() for c in cells.values()
                  if (d := c.get(key + "_minus_bf16"))]

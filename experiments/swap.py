@@ -2,13 +2,13 @@
 experiments/swap.py: the swap, read. Does a run need the truncating
 engine to start its fall, or to stay in its dip? gspo-engine runs
 that change the engine's library after SWAP_STEP updates
-(plans.SWAPS), beside the runs that keep one library all the way.
+(variants.SWAPS), beside the runs that keep one library all the way.
 
     python experiments/campaign.py --plan swap-stops --stop-after 10 --seeds 0 1 2 3 4 5 6 7
     python experiments/campaign.py --plan swap --seeds 0 1 2 3 4 5 6 7
     python experiments/swap.py $M --seeds 0 1 2 3 4 5 6 7 --out figures/swap-intel-amx.png
 
-The same swaps later (plans.LATE_SWAP), read beside the first:
+The same swaps later (variants.LATE_SWAP), read beside the first:
 
     python experiments/campaign.py --plan swap-stops --stop-after 20 --seeds 0 1 2 3 4 5 6 7
     python experiments/campaign.py --plan swap-late --seeds 0 1 2 3 4 5 6 7
@@ -33,29 +33,34 @@ import matplotlib.pyplot as plt
 
 from causal import FELL, print_contrasts
 from common import fmt, holm, mean_se, refuse
-from plans import LATE_SWAP, SWAP_STEP, SWAPS, swap_suffix
 from results import (COLORS, curve, load_experiment, machine_title, paired_seeds,
                      parse_runs, runs_parser, save)
+from variants import LATE_SWAP, SWAP_STEP, SWAPS
 
 ARM = "gspo-engine"
 FIRST = ["bf16-noamx", "bf16-noamx-to-trunc", "bf16-trunc", "bf16-trunc-to-noamx"]
-STYLE = {"bf16-noamx-to-trunc": ("tab:cyan", "--"), "bf16-trunc-to-noamx": ("tab:pink", "--")}
-STYLE.update({v + swap_suffix(LATE_SWAP): (c, ":") for v, (c, _) in STYLE.items()})
+# A swap in its before side's colour: dashed at SWAP_STEP, dotted later
+STYLE = {v: (COLORS[b], "--" if at == SWAP_STEP else ":") for v, (b, _, at) in SWAPS.items()}
+
+def at_step(first, step):
+    """The swap with the same sides as a first swap, at `step`."""
+    sides = SWAPS[first][:2]
+    return next(v for v, (b, a, at) in SWAPS.items() if (b, a) == sides and at == step)
 
 def order(step):
     """The variants read at a swap step: the first four, and after
     each first swap its later one (at LATE_SWAP)."""
-    late = swap_suffix(step)
-    return [x for v in FIRST for x in [v] + ([v + late] if "-to-" in v and late else [])]
+    later = step != SWAP_STEP
+    return [x for v in FIRST
+            for x in [v] + ([at_step(v, step)] if v in SWAPS and later else [])]
 
 def contrasts(step):
     """Each swap against its before side (what the swap changed), then
     against its after side (what the updates before it left); a later
     swap against the first one too (what waiting changed)."""
-    late = swap_suffix(step)
     first = [v for v, (_, _, at) in SWAPS.items() if at == SWAP_STEP]
-    sides = [(v + late, SWAPS[v][side]) for side in (0, 1) for v in first]
-    return sides + [(v + late, v) for v in first if late]
+    sides = [(at_step(v, step), SWAPS[v][side]) for side in (0, 1) for v in first]
+    return sides + [(at_step(v, step), v) for v in first if step != SWAP_STEP]
 
 def at_swap(path, seeds, step):
     """{variant: {seed: held-out}} of the stops after `step` updates."""
@@ -159,10 +164,10 @@ def figure(out):
 def main(argv=None):
     p = runs_parser("the swap: a library changed after SWAP_STEP updates")
     p.add_argument("--step", type=int, default=SWAP_STEP, choices=[SWAP_STEP, LATE_SWAP],
-                   help="read the swaps at this update (plans.LATE_SWAP: beside the first)")
+                   help="read the swaps at this update (variants.LATE_SWAP: beside the first)")
     args = parse_runs(p, argv)
     if args.arms not in (None, [ARM]):
-        refuse(f"--arms: the swap has one arm, {ARM} (plans.SWAPS)")
+        refuse(f"--arms: the swap has one arm, {ARM} (variants.SWAPS)")
     out = read(args.path, args.seeds, args.step)
     print_read(out)
     save(figure(out), args.out, out)

@@ -13,9 +13,11 @@ import campaign
 import plans
 import results
 import train_grpo
+import variants
 import warm_start
 from conftest import ROOT, tiny_args
 from instruments import machine
+from variants import LATE_SWAP, SWAP_STEP, VARIANTS, parse_run, variant_of
 
 
 def test_campaign_runs_once_skips_what_is_done_and_resumes(warm_dir, tmp_path):
@@ -34,6 +36,8 @@ def test_campaign_runs_once_skips_what_is_done_and_resumes(warm_dir, tmp_path):
     metrics = (kept / "metrics.jsonl").read_text()
     assert [json.loads(r)["step"] for r in metrics.splitlines()] == [0, 1]
     # The record tells two CPU generations apart where a VM masks the model name (x86 Linux).
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert json.loads((kept / "args.json").read_text())["commit"] == head.strip()  # what computed it
     recorded = json.loads((kept / "args.json").read_text())["machine"]
     if os.path.isfile("/proc/cpuinfo") and "cpu family" in open("/proc/cpuinfo").read():
         assert [part.isdigit() for part in recorded["cpu_id"].split("/")] == [True] * 3, recorded
@@ -62,8 +66,8 @@ def test_campaign_runs_once_skips_what_is_done_and_resumes(warm_dir, tmp_path):
 
 
 def first_updates(warm_dir, tmp_path, variants):
-    """Each variant's first update on seed 0's small warm start, through plans.run_options in a
-    process of its own (one kernel library, one compilation config a process): variant ->
+    """Each variant's first update on seed 0's small warm start, through campaign.py --run
+    --variant in a process of its own (one kernel library, one compilation config a process): variant ->
     (its first metrics row, its args.json)."""
     args = tiny_args(warm_dir, "--out", os.path.join(warm_dir, "campaign-source"))
     init = warm_start.warm_start(warm_start.model_config(args.n_items, args.max_new_tokens), args.n_items, 0, "cpu")
@@ -71,7 +75,7 @@ def first_updates(warm_dir, tmp_path, variants):
     for variant in variants:
         out = tmp_path / variant
         subprocess.run([sys.executable, "experiments/campaign.py", "--run", "--stop-after", "1",
-                        *plans.run_options(variant), "--", *plans.VARIANTS[variant], "--init", init,
+                        "--variant", variant, "--", *VARIANTS[variant].flags, "--init", init,
                         "--batch-size", "16", "--group-size", "8", "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, check=True)
         first[variant] = (json.loads((out / "metrics.jsonl").read_text().splitlines()[0]),
@@ -95,10 +99,10 @@ def test_the_rotary_on_torch_variant_runs_an_engine_closer_to_the_trainer(warm_d
 
 
 def test_the_trunc_variant_runs_the_truncating_library_farther_from_the_trainer(warm_dir, tmp_path):
-    """bf16-trunc (plans.run_options: --library _C_AVX512) runs where the chip's own library
+    """bf16-trunc (its record's library: _C_AVX512) runs where the chip's own library
     rounds: the engine on the truncating kernels, AMX hidden (its kernels live in _C only),
     recorded in args.json, a larger first-update mismatch than bf16's (rounding.md). On AMX,
-    the control bf16-noamx (--hide-amx: _C's vector kernels, which round) is recorded as such,
+    the control bf16-noamx (AMX hidden: _C's vector kernels, which round) is recorded as such,
     and truncation's mismatch is larger than it too: the kernels' rounding, not AMX's absence."""
     isa = machine()["cpu_isa"]
     if "avx512_bf16" not in isa:
@@ -135,6 +139,15 @@ def test_a_dirty_tree_is_refused_and_allow_dirty_keeps_the_diff(tmp_path, monkey
     assert (kept / "diff.patch").read_text() == "diff --git a/grpo.py b/grpo.py\n"
 
 
+def recorded_options(v):
+    """What campaign.train_run writes into args.json for a variant's engine options (the
+    library as rounding.load reports it on a chip that runs the variant)."""
+    dial, swap = v.dial or (None, None), v.swap or (None, None)
+    return {"kernel_library": v.library or ("_C" if v.hide_amx else None), "amx_hidden": v.hide_amx,
+            "engine_custom_ops": ["-rotary_embedding"] if v.rotary_torch else None,
+            "dial_dose": dial[0], "dial_shape": dial[1], "swap_from": swap[0], "swap_step": swap[1]}
+
+
 @pytest.mark.parametrize("plan", list(plans.PLANS))
 def test_every_plan_names_each_run_once_and_the_trainer_takes_its_flags(plan, tmp_path):
     """Each (arm, variant, seed) once; every run's flags pass train_grpo's own checks (a refused
@@ -143,12 +156,13 @@ def test_every_plan_names_each_run_once_and_the_trainer_takes_its_flags(plan, tm
     runs = plans.plan_runs(plan, [0, 1])
     names = [name for name, _, _ in runs]
     assert len(names) == len(set(names)) > 0
-    for name, flags, dial in runs:
+    for name, flags, variant in runs:
         args = train_grpo.get_args([*flags, "--out", str(tmp_path / name)])
-        assert args.seed == int(name.rsplit("-s", 1)[1])
-        if "--dial" in dial:
-            dose0 = name.split("-dial")[0] + "-s" + name.rsplit("-s", 1)[1]
-            assert dose0 in names, (plan, name)
+        arm, parsed, seed = parse_run(name)
+        assert args.seed == seed and parsed is variant
+        assert variant_of({**vars(args), **recorded_options(variant)}) is variant
+        if variant.dial:
+            assert f"{arm}-bf16-aligned-s{seed}" in names, (plan, name)
 
 
 def test_the_commands_read_a_run_at_its_own_length_and_probe_only_the_campaigns_arms(tmp_path):
@@ -157,10 +171,11 @@ def test_the_commands_read_a_run_at_its_own_length_and_probe_only_the_campaigns_
     args = argparse.Namespace(runs=str(tmp_path), stop_after=None, extra=[], samples=8)
     runs = dict((n, f) for n, f, _ in plans.plan_runs("dial-length", [3]))
     name = "gspo-engine-len20-bf16-aligned-dial10-uniform-s3"
-    steps = campaign.commands(name, runs[name], [], args, str(tmp_path))
+    steps = campaign.commands(name, runs[name], VARIANTS["bf16-aligned-dial10-uniform"], args,
+                              str(tmp_path))
     heldout = next(s for s in steps if "experiments/heldout.py" in s)
     assert heldout[heldout.index("--n-items") + 1] == "20" and heldout[heldout.index("--seed") + 1] == "3"
-    plain = campaign.commands("grpo-bf16-s0", ["--seed", "0"], [], args, str(tmp_path))
+    plain = campaign.commands("grpo-bf16-s0", ["--seed", "0"], VARIANTS["bf16"], args, str(tmp_path))
     assert "--n-items" not in next(s for s in plain if "experiments/heldout.py" in s)
     assert not plans.probed("gspo-engine-len20-bf16-aligned-s0") and plans.probed("gspo-engine-bf16-s0")
     assert not plans.probed("gspo-engine-bf16-aligned-dial10-uniform-s0")
@@ -178,13 +193,13 @@ def test_a_run_killed_before_its_first_checkpoint_goes_on_from_the_kept_stop(tmp
     (runs / name).mkdir()
     (runs / name / "args.json").write_text("{}")  # killed here
     args = argparse.Namespace(runs=str(runs), stop_after=None, extra=[], samples=8)
-    train = campaign.commands(name, ["--seed", "0"], [], args, str(tmp_path))[0]
+    train = campaign.commands(name, ["--seed", "0"], VARIANTS["fp32"], args, str(tmp_path))[0]
     assert train[-1] == "--resume" and (runs / name / "checkpoint.pt").read_bytes() == b"step 2"
     assert not (runs / name / "args.json").exists()  # the stop's args are not its end's
 
 
 def test_a_swap_goes_on_from_its_before_sides_stop_or_is_refused(tmp_path, capsys):
-    """plans.SWAPS: a swap run copies in its before variant's stop at SWAP_STEP and resumes it
+    """variants.SWAPS: a swap run copies in its before variant's stop at SWAP_STEP and resumes it
     with the after variant's kernels, recording where it came from; with no such stop the
     plan is refused in one line before any run."""
     runs = tmp_path / "runs"
@@ -194,30 +209,30 @@ def test_a_swap_goes_on_from_its_before_sides_stop_or_is_refused(tmp_path, capsy
         campaign.refuse_unswappable([(name, flags, opts)], args)
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and "swap-stops" in err, err
-    stop = runs / f"step{plans.SWAP_STEP}" / "gspo-engine-bf16-trunc-s3"
+    stop = runs / f"step{SWAP_STEP}" / "gspo-engine-bf16-trunc-s3"
     (stop / "hf").mkdir(parents=True)
-    (stop / "args.json").write_text(json.dumps({"steps": 40, "stop_after": plans.SWAP_STEP}))
-    (stop / "metrics.jsonl").write_text("{}\n" * plans.SWAP_STEP)
+    (stop / "args.json").write_text(json.dumps({"steps": 40, "stop_after": SWAP_STEP}))
+    (stop / "metrics.jsonl").write_text("{}\n" * SWAP_STEP)
     (stop / "hf" / "config.json").write_text("{}")
     (stop / "checkpoint.pt").write_bytes(b"step 10")
     campaign.refuse_unswappable([(name, flags, opts)], args)  # now there is one
     train = campaign.commands(name, flags, opts, args, str(tmp_path))[0]
     assert train[-1] == "--resume" and (runs / name / "checkpoint.pt").read_bytes() == b"step 10"
-    assert train[train.index("--swap-from") + 1] == "bf16-trunc" and "--hide-amx" in train
-    assert "--library" not in train  # the after side: the chip's own library, AMX hidden
+    assert train[train.index("--variant") + 1] == "bf16-trunc-to-noamx"
+    assert VARIANTS["bf16-trunc-to-noamx"].swap == ("bf16-trunc", SWAP_STEP)
     (late, *_), = [r for r in plans.plan_runs("swap-late", [3]) if "trunc-to-noamx" in r[0]]
     with pytest.raises(SystemExit):  # a later swap needs its own stop, not SWAP_STEP's
         campaign.refuse_unswappable([(late, flags, opts)], args)
-    assert f"--stop-after {plans.LATE_SWAP} " in capsys.readouterr().err
+    assert f"--stop-after {LATE_SWAP} " in capsys.readouterr().err
 
 
-def test_a_swapped_run_repeats_its_stop_then_reads_the_other_librarys_mismatch(warm_dir, tmp_path):
+def test_a_swapped_run_repeats_its_stop_then_reads_the_other_librarys_mismatch(warm_dir, tmp_path, monkeypatch):
     """A truncating run stopped after one update, then resumed twice: on the truncating
     library (its twin) and, as a swap, on the rounding one. The swap's first row is the stop's;
     its next update runs the rounding engine, closer to the trainer than its twin's (the same
     policy); args.json records the swap, and results.py names it before-to-after."""
     if not {"avx512_bf16", "amx_tile"} <= set(machine()["cpu_isa"]):
-        pytest.skip("the swap needs both libraries and AMX to hide: plans.SWAPS runs on AMX")
+        pytest.skip("the swap needs both libraries and AMX to hide: variants.SWAPS runs on AMX")
     args = tiny_args(warm_dir, "--out", os.path.join(warm_dir, "campaign-source"))
     init = warm_start.warm_start(warm_start.model_config(args.n_items, args.max_new_tokens), args.n_items, 0, "cpu")
     def run(out, opts, *more):
@@ -225,13 +240,17 @@ def test_a_swapped_run_repeats_its_stop_then_reads_the_other_librarys_mismatch(w
                         "--init", init, "--steps", "2", "--batch-size", "16", "--group-size", "8",
                         "--out", str(out), *more], cwd=ROOT, capture_output=True, text=True, check=True)
         return [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
-    stop = run(tmp_path / "twin", ["--stop-after", "1", *plans.run_options("bf16-trunc")])
+    stop = run(tmp_path / "twin", ["--stop-after", "1", "--variant", "bf16-trunc"])
     shutil.copytree(tmp_path / "twin", tmp_path / "swap", ignore=shutil.ignore_patterns("hf", "*.json"))
-    swap = run(tmp_path / "swap", ["--hide-amx", "--swap-from", "bf16-trunc"], "--resume")
-    twin = run(tmp_path / "twin", plans.run_options("bf16-trunc"), "--resume")
+    swap = run(tmp_path / "swap", ["--variant", "bf16-trunc-to-noamx"], "--resume")
+    twin = run(tmp_path / "twin", ["--variant", "bf16-trunc"], "--resume")
     same = [{k: v for k, v in r.items() if not k.startswith("time_") and "per_s" not in k} for r in (stop[0], swap[0])]
     assert same[0] == same[1] and len(swap) == len(twin) == 2
     recorded = json.loads((tmp_path / "swap" / "args.json").read_text())
     assert (recorded["swap_from"], recorded["swap_step"], recorded["kernel_library"]) == ("bf16-trunc", 1, "_C")
-    assert results.variant(recorded) == "bf16-trunc-to-noamx-at1"  # not plans.SWAP_STEP: named so
+    at1 = variants.Variant("bf16-trunc-to-noamx-at1", ("--dtype", "bf16"), hide_amx=True,
+                           swap=("bf16-trunc", 1))
+    monkeypatch.setattr(variants, "VARIANTS", {})
+    variants.add(at1)  # a swap after 1 update is no plan's: named by its own record
+    assert results.variant(recorded) == "bf16-trunc-to-noamx-at1"
     assert swap[1]["mismatch_logp_abs_mean"] < twin[1]["mismatch_logp_abs_mean"], (swap[1], twin[1])

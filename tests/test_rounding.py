@@ -13,6 +13,7 @@ import pytest
 import anatomy
 import campaign
 import rounding
+from variants import VARIANTS
 
 ON_PATH = ("rotary_embedding", "attention")  # the kernels on the model's path
 
@@ -64,18 +65,20 @@ def campaign_run(argv):
 def test_a_library_the_chip_cannot_run_is_refused_in_one_line(capsys):
     for library, flag in rounding.LIBRARIES.items():
         if flag not in rounding.machine()["cpu_isa"]:  # the ISA flags instruments.machine reads
-            for main in (rounding.main, anatomy.main, campaign_run):  # before any work
-                with pytest.raises(SystemExit) as e:
-                    main(["--library", library])
+            forced = [v.name for v in VARIANTS.values() if v.library == library]
+            calls = [(main, ["--library", library]) for main in (rounding.main, anatomy.main)]
+            for main, argv in calls + [(campaign_run, ["--variant", v]) for v in forced]:
+                with pytest.raises(SystemExit) as e:  # before any work
+                    main(argv)
                 assert e.value.code == 2 and flag in capsys.readouterr().err
 
 
 def test_hiding_amx_where_there_is_none_is_refused_in_one_line(monkeypatch, capsys):
-    """--hide-amx (plan rounding's bf16-noamx) on a chip without AMX: it would repeat bf16, so one
+    """AMX hidden (plan rounding's bf16-noamx) on a chip without AMX: it would repeat bf16, so one
     line and exit 2, before any work; the libraries that chip can run pass the same check."""
     monkeypatch.setattr(rounding, "machine", lambda: {"cpu_isa": ["avx2", "avx512f", "avx512_bf16"]})
     with pytest.raises(SystemExit) as e:
-        campaign_run(["--hide-amx"])
+        campaign_run(["--variant", "bf16-noamx"])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and "AMX" in err, err
     rounding.refuse_unrunnable("_C")  # AVX-512-BF16 is there: no refusal

@@ -7,11 +7,11 @@ import os
 import pytest
 
 import swap
-from plans import LATE_SWAP, SWAP_STEP
+from variants import LATE_SWAP, SWAP_STEP
 
 MACHINE = {"cpu": "chip", "gpu": None, "cpu_isa": ["avx2"], "torch": "t", "vllm": "v", "host": "h"}
-ARGS = {"bf16-trunc": {"kernel_library": "_C_AVX512"}, "bf16-noamx": {"amx_hidden": True},
-        "bf16-trunc-to-noamx": {"amx_hidden": True, "swap_from": "bf16-trunc", "swap_step": SWAP_STEP},
+ARGS = {"bf16-trunc": {"kernel_library": "_C_AVX512"}, "bf16-noamx": {"kernel_library": "_C", "amx_hidden": True},
+        "bf16-trunc-to-noamx": {"kernel_library": "_C", "amx_hidden": True, "swap_from": "bf16-trunc", "swap_step": SWAP_STEP},
         "bf16-noamx-to-trunc": {"kernel_library": "_C_AVX512", "swap_from": "bf16-noamx", "swap_step": SWAP_STEP}}
 ARGS.update({f"{v}-at{LATE_SWAP}": {**ARGS[v], "swap_step": LATE_SWAP} for v in list(ARGS) if "-to-" in v})
 HELDOUT = {"bf16-trunc": [0.2, 0.3, 0.9], "bf16-noamx": [0.96, 0.95, 0.97],

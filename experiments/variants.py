@@ -1,0 +1,148 @@
+"""
+experiments/variants.py: what a run is. An arm is a set of train_grpo.py flags (the loss), a
+variant one record (the dtypes, the fixes, the engine's options); a run is one (arm, variant,
+seed), its folder named ARM-VARIANT-sSEED. plans.py lists runs, campaign.py runs them,
+results.py and every figure read them back: all from the records here.
+
+Add a variant with one `add(Variant(...))`: its flags, its engine options, its colour and the
+chips that can run it. A record's fields say everything about it; no code reads its name.
+
+    field          what it does to a run                      recorded in args.json as
+    flags          train_grpo.py flags                        dtype, engine_dtype, lm_head, ...
+    library        vLLM's kernels from this library           kernel_library
+    hide_amx       the chip's own library, AMX hidden         amx_hidden (kernel_library _C)
+    rotary_torch   vLLM's rotary embedding on torch's path    engine_custom_ops
+    dial           (dose, shape): dial.py's noise on the      dial_dose, dial_shape
+                   engine's logits
+    swap           (before, update): goes on from the         swap_from, swap_step
+                   before variant's stop at that update
+    needs          the ISA flags a chip must have             (plans.plan_runs drops it elsewhere)
+    probed         mismatch.py --quick reads its policy       (in PROBED arms)
+
+No torch here: the figures read these records too.
+"""
+import re
+from dataclasses import dataclass
+
+ARMS = {  # the flags every variant of an arm shares
+    # the mismatch inside the trust region: pi_old = mu, GSPO's narrow clip
+    "gspo-engine": ["--algorithm", "gspo", "--behavior-logp", "engine"],
+    "drgrpo-mb4": ["--dr-grpo", "--minibatches", "4"],  # the paper's recipe
+    "grpo": [],  # the default run
+    "gspo": ["--algorithm", "gspo"],  # arm 1 without the mismatch in it
+    # the paper's patches where the mismatch bites
+    "seq-mis-engine": ["--algorithm", "seq-mis", "--behavior-logp", "engine"],
+    "pg-seq-is": ["--algorithm", "pg-seq-is"],
+    "token-tis": ["--algorithm", "token-tis"],  # pi_old the trainer's: w_t = pi_old / mu
+}
+# The dial's length arms: responses of 2 x 20 tokens, not 2 x 12. 24 items' warm start reaches
+# only 0.78 held-out on the Intel Xeon with AMX (seed 0), 20 items' 0.85 (dial.md).
+LENGTH_ITEMS = 20
+for _arm in ("grpo", "gspo-engine"):
+    ARMS[f"{_arm}-len{LENGTH_ITEMS}"] = [*ARMS[_arm], "--n-items", str(LENGTH_ITEMS)]
+PROBED = ("gspo-engine",)  # arms whose policies mismatch.py --quick also reads
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    flags: tuple  # train_grpo.py's
+    library: str = None  # rounding.LIBRARIES: vLLM's kernels from this one
+    hide_amx: bool = False
+    rotary_torch: bool = False
+    dial: tuple = None  # (dose, shape)
+    swap: tuple = None  # (before variant, the update it swaps at)
+    color: str = None  # matplotlib's; None: the figure's default cycle
+    needs: tuple = ()  # ISA flags (instruments.machine's cpu_isa)
+    probed: bool = True
+
+    def recorded(self):
+        """What a run of it writes into args.json (train_grpo's flags with their defaults, the
+        engine options campaign.train_run records): variant_of matches it."""
+        loaded = self.library or ("_C" if self.hide_amx else None)  # rounding.load's answer
+        return (*formats(self.flags), loaded, self.hide_amx, self.rotary_torch, self.dial,
+                self.swap)
+
+def formats(flags):
+    """The dtypes and kernels a list of train_grpo.py flags sets, its defaults where absent."""
+    dtype = option(flags, "--dtype", "fp16")
+    return (dtype, option(flags, "--engine-dtype", dtype), option(flags, "--lm-head", "same"),
+            option(flags, "--trainer-kernels", "torch"))
+
+VARIANTS = {}
+
+def add(v):
+    """Register one variant; a second with its name or its record is refused."""
+    if v.name in VARIANTS or any(w.recorded() == v.recorded() for w in VARIANTS.values()):
+        raise ValueError(f"variant {v.name}: its name or its record is taken")
+    VARIANTS[v.name] = v
+    return v
+
+def option(flags, name, default=None):
+    """The value of a flag in a list of flags, or default."""
+    flags = list(flags)
+    return flags[flags.index(name) + 1] if name in flags else default
+
+BF16, ALIGNED = ("--dtype", "bf16"), ("--dtype", "bf16", "--trainer-kernels", "engine")
+add(Variant("fp16", ("--dtype", "fp16"), color="tab:blue"))
+add(Variant("bf16", BF16, color="tab:red"))
+add(Variant("fp32", ("--dtype", "fp32"), color="0.35"))
+add(Variant("bf16-head32", (*BF16, "--lm-head", "fp32"), color="tab:orange"))
+add(Variant("bf16-engine32", (*BF16, "--engine-dtype", "fp32"), color="tab:purple"))
+add(Variant("bf16-aligned", ALIGNED, color="tab:green"))
+# The rounding's causal test (causal.md). bf16 runs the library vLLM's loader picks: it
+# truncates to bf16 without AVX-512-BF16, rounds to nearest with it. With it, the -trunc
+# variants force the truncating library; without, they would repeat bf16 and bf16-aligned.
+# -rotary-torch: vLLM's rotary embedding on torch's path, which rounds; a fix with no
+# rebuild. The attention's output still truncates.
+TRUNCATING = "_C_AVX512"  # rounding.py's table: its bf16 kernels truncate
+add(Variant("bf16-rotary-torch", BF16, rotary_torch=True, color="tab:brown"))
+add(Variant("bf16-trunc", BF16, library=TRUNCATING, color="tab:pink",
+            needs=("avx512_bf16",)))
+add(Variant("bf16-trunc-aligned", ALIGNED, library=TRUNCATING, color="tab:olive",
+            needs=("avx512_bf16",)))
+# The AMX control: on AMX, bf16 runs AMX's attention kernel, and -trunc hides it. -noamx hides
+# it on the chip's own library: vector kernels that round, so that bf16-trunc against it
+# differs in the rounding alone. Only where the chip has AMX.
+add(Variant("bf16-noamx", BF16, hide_amx=True, color="tab:cyan", needs=("amx_tile",)))
+# The mismatch dial (dial.py): the bf16 trainer on the engine's kernels (mismatch 0) with the
+# engine's logits perturbed, DOSE x the chip's bf16 mismatch on the warm start, in four shapes.
+DIAL_DOSES = (1, 3, 10, 30, 100)
+DIAL_SHAPES = ("uniform", "bf16", "temperature", "persistent")  # dial.py
+for _shape in DIAL_SHAPES:
+    for _dose in DIAL_DOSES:
+        add(Variant(f"bf16-aligned-dial{_dose}-{_shape}", ALIGNED, dial=(_dose, _shape),
+                    probed=False))  # the dial's runs are read by held-out accuracy alone
+# The swap (swap.md): a run that starts on one library and goes on from its stop at SWAP_STEP
+# on the other; is the truncation needed to start a fall, or to keep a run in its dip?
+SWAP_STEP = 10  # in the falling runs' dip (anatomy.md)
+LATE_SWAP = 20  # the same swaps later
+SWAPS = {}  # swap variant: (before, after, the update it swaps at)
+for _step, _suffix in ((SWAP_STEP, ""), (LATE_SWAP, f"-at{LATE_SWAP}")):
+    for _before, _after, _short in (("bf16-trunc", "bf16-noamx", "noamx"),
+                                    ("bf16-noamx", "bf16-trunc", "trunc")):
+        _a = VARIANTS[_after]  # the after side's flags and kernels, from the before's stop
+        _v = add(Variant(f"{_before}-to-{_short}{_suffix}", _a.flags, _a.library, _a.hide_amx,
+                         swap=(_before, _step), needs=("avx512_bf16", "amx_tile")))
+        SWAPS[_v.name] = (_before, _after, _step)
+
+def parse_run(name):
+    """(arm, variant, seed) of a run folder's name, or None where it is not ARM-VARIANT-sSEED
+    of a known arm and variant (the longest arm first: grpo-len20 before grpo)."""
+    m = re.fullmatch(r"(.+)-s(\d+)", name)
+    for arm in sorted(ARMS, key=len, reverse=True):
+        if m and m.group(1).startswith(arm + "-") and m.group(1)[len(arm) + 1:] in VARIANTS:
+            return arm, VARIANTS[m.group(1)[len(arm) + 1:]], int(m.group(2))
+    return None
+
+def variant_of(args):
+    """The variant whose record a run's args.json holds, or None."""
+    dial = (args["dial_dose"], args["dial_shape"]) if args.get("dial_dose") else None
+    swap = (args["swap_from"], args["swap_step"]) if args.get("swap_from") else None
+    seen = (args["dtype"], args.get("engine_dtype", args["dtype"]), args.get("lm_head", "same"),
+            args.get("trainer_kernels", "torch"), args.get("kernel_library"),
+            bool(args.get("amx_hidden")), bool(args.get("engine_custom_ops")), dial, swap)
+    return next((v for v in VARIANTS.values() if v.recorded() == seen), None)
+
+def runs_on(v, isa):
+    """Whether a chip with these ISA flags can run the variant."""
+    return all(flag in isa for flag in v.needs)
