@@ -82,7 +82,8 @@ def save_step(out, step, rec, model, opt, scaler):
     state = {"step": step + 1, "model": model.state_dict(), "opt": opt.state_dict(),
              "scaler": scaler.state_dict()}
     write_atomic(os.path.join(out, "checkpoint.pt"), lambda tmp: torch.save(state, tmp))
-    print(f"step {step:4d} | reward {rec['reward_mean']:.3f} | k3 {rec['mismatch_k3']:.2e} "
+    mismatch = rec["mismatch_logp_abs_mean"]  # mean |log mu - log pi| a token: the figures'
+    print(f"step {step:4d} | reward {rec['reward_mean']:.3f} | mismatch {mismatch:.2e} "
           f"| gnorm {rec['grad_norm']:.3f} | scale {rec['loss_scale']:.0f}"
           f"{' SKIP' * rec['step_skipped']} | {rec['time_step_s']:.2f}s "
           f"| eval {rec.get('eval_accuracy', '-')}", flush=True)
