@@ -20,7 +20,10 @@ dtype scores them (pi). With d = log mu - log pi a token, per variant:
 The variants: bf16 and fp16, each on the kernels vLLM's loader picked for this chip (the
 library's own rounding: rounding.py), or with --library on that library's, forced as plan
 rounding's -trunc runs force it: one library a process, so one run per library, on the same
-tokens (the fp32 engine's; their digest in the result says so). Page: anatomy.md.
+tokens (the fp32 engine's; their digest in the result says so). --hide-amx: the chip's own
+library without AMX (plan rounding's bf16-noamx); --site-rounding MODE: the bf16 trainer rounds
+the rotary's and the attention's outputs in MODE (sites.py; the matched-size check, sites.md).
+Page: anatomy.md.
 """
 import hashlib
 import math
@@ -30,6 +33,7 @@ import torch
 
 import common
 import rounding
+import sites
 from common import PI_EDGES, t_quantile
 from grpo import GSPO_CLIP
 from instruments import buckets, machine
@@ -89,7 +93,9 @@ def window(d, mask):
 
 def anatomy(args, engine=None):
     """Every variant's figures on the fp32 engine's samples (the module docstring)."""
-    library = rounding.load(args.library)  # before any engine; default: the chip's own
+    library = rounding.load(args.library, amx=not args.hide_amx)  # before any engine
+    if args.site_rounding != "rne":  # the bf16 trainer's, at the two sites: this process's
+        sites.install(args.site_rounding)
     ckpt, model, device, get_engine = setup(args, engine)
     prompts = heldout_prompts(args)
     samples, idx, mask, _, _ = sample(get_engine("fp32"), prompts, args.group_size, args, device)
@@ -109,7 +115,8 @@ def anatomy(args, engine=None):
                       "tau": temperature(d, logits, idx, mask),
                       "lag1_correlation": lag1(d, mask), "gspo_window": window(d, mask)}
     result = {"experiment": "anatomy", "checkpoint": ckpt, "machine": machine(),
-              "kernel_library": library, "sequences": len(samples),
+              "kernel_library": library, "amx_hidden": args.hide_amx,
+              "site_rounding": args.site_rounding, "sequences": len(samples),
               "tokens": int(mask.sum()), "tokens_sha1": digest, "variants": rows}
     print_anatomy(result)
     return result
@@ -162,8 +169,11 @@ def main(argv=None, engine=None):
                    help="print these results' table (a run's policies), measure nothing")
     p.add_argument("--library", choices=list(rounding.LIBRARIES), default=None,
                    help="vLLM's kernels from this library (default: the one vLLM picks)")
+    p.add_argument("--hide-amx", action="store_true", help="the library's kernels without AMX")
+    p.add_argument("--site-rounding", default="rne", choices=sites.MODES,
+                   help="the bf16 trainer's rounding at the rotary and attention (sites.py)")
     args = parse(p, argv)
-    rounding.refuse_unrunnable(args.library)
+    rounding.refuse_unrunnable(args.library, args.hide_amx)
     if args.along:
         return print_along(args.along)
     return common.finish(args, anatomy(args, engine))

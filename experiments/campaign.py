@@ -165,7 +165,8 @@ def train_run(argv, stop_after, variant, calibration=None):
     args.json; with stop_after n, ended after its n-th update on the schedule of all --steps
     (stop_after recorded), its policy in hf/ as a whole run's. The variant's record gives the
     engine's options (its kernel library, AMX hidden, the rotary on torch, the dial with its
-    calibration file) and what args.json records of them (variants.py's table)."""
+    calibration file; the trainer's site rounding) and what args.json records of them
+    (variants.py's table)."""
     import instruments
     import train_grpo
 
@@ -179,6 +180,10 @@ def train_run(argv, stop_after, variant, calibration=None):
         record["amx_hidden"] = True
     if variant.swap:  # its rows before swap_step are the before variant's
         record.update(swap_from=variant.swap[0], swap_step=swap_step(args.out))
+    if variant.site_rounding != "rne":  # the trainer's side: one mode a process
+        import sites
+
+        record["site_rounding"] = sites.install(variant.site_rounding)
     if variant.rotary_torch:  # vLLM keeps its first engine's: one a process
         engine_options["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
         record["engine_custom_ops"] = ["-rotary_embedding"]
@@ -239,6 +244,8 @@ def refuse_unfit(variant, args):
                "--out")
     if variant.dial and not args.dial_calibration:
         refuse(f"--variant {variant.name}: the dial needs --dial-calibration (dial.py calibrate)")
+    if variant.site_rounding != "rne" and machine()["gpu"]:  # sites.py: the CPU trainer's
+        refuse(f"--variant {variant.name}: the site rounding is the CPU trainer's; this is a GPU")
     if formats(args.extra) != formats(variant.flags):  # args.json would name another
         refuse(f"--variant {variant.name}: its flags are {' '.join(variant.flags)}, the "
                f"run's formats {formats(args.extra)}")

@@ -8,8 +8,8 @@ ARM-VARIANT-sSEED.
 No torch here: the figures read these names too. Add a plan here (a variant in variants.py)
 and the campaign runs it; results go to results/<machine>/ (campaign.py).
 """
-from variants import (ARMS, DIAL_DOSES, LATE_SWAP, LENGTH_ITEMS, PROBED, SWAP_STEP, SWAPS,
-                      VARIANTS, parse_run, runs_on)
+from variants import (ARMS, DIAL_DOSES, LATE_SWAP, LENGTH_ITEMS, PROBED, SITE_MODES, SWAP_STEP,
+                      SWAPS, VARIANTS, parse_run, runs_on)
 
 EVERY_FIX = ["fp16", "bf16", "fp32", "bf16-head32", "bf16-engine32",
              "bf16-aligned"]
@@ -87,6 +87,13 @@ BEFORE = list(dict.fromkeys(b for b, _, _ in SWAPS.values()))
 PLANS["swap-stops"] = [("gspo-engine", BEFORE)]
 for _plan, _step in (("swap", SWAP_STEP), ("swap-late", LATE_SWAP)):
     PLANS[_plan] = [("gspo-engine", [v for v, s in SWAPS.items() if s[2] == _step])]
+
+# Size or sign (sites.md): the trainer's rounding at the two sites, gspo-engine, each chip its
+# part. Where the engine rounds (AMX hidden): the control, then truncation, away from zero and the
+# two zero-mean modes of truncation's size on the trainer's side. Where it truncates: the chip's
+# bf16 and bf16-aligned, then the trainer truncating like its engine and rne6.
+PLANS["sites"] = [("gspo-engine", ["bf16-noamx", *(f"bf16-noamx-site-{m}" for m in SITE_MODES),
+                                   "bf16", "bf16-aligned", "bf16-site-trunc", "bf16-site-rne6"])]
 
 def probed(name):
     """Whether mismatch.py --quick reads a run's policy: a PROBED arm's run of a probed variant

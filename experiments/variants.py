@@ -16,7 +16,10 @@ chips that can run it. A record's fields say everything about it; no code reads 
                    engine's logits
     swap           (before, update): goes on from the         swap_from, swap_step
                    before variant's stop at that update
+    site_rounding  the trainer's bf16 rounding at the rotary  site_rounding
+                   and the attention outputs (sites.py)
     needs          the ISA flags a chip must have             (plans.plan_runs drops it elsewhere)
+    lacks          the ISA flags a chip must not have         (the same)
     probed         mismatch.py --quick reads its policy       (in PROBED arms)
 
 No torch here: the figures read these records too.
@@ -51,8 +54,10 @@ class Variant:
     rotary_torch: bool = False
     dial: tuple = None  # (dose, shape)
     swap: tuple = None  # (before variant, the update it swaps at)
+    site_rounding: str = "rne"  # sites.MODES
     color: str = None  # matplotlib's; None: the figure's default cycle
     needs: tuple = ()  # ISA flags (instruments.machine's cpu_isa)
+    lacks: tuple = ()
     probed: bool = True
 
     def recorded(self):
@@ -60,7 +65,7 @@ class Variant:
         engine options campaign.train_run records): variant_of matches it."""
         loaded = self.library or ("_C" if self.hide_amx else None)  # rounding.load's answer
         return (*formats(self.flags), loaded, self.hide_amx, self.rotary_torch, self.dial,
-                self.swap)
+                self.swap, self.site_rounding)
 
 def formats(flags):
     """The dtypes and kernels a list of train_grpo.py flags sets, its defaults where absent."""
@@ -125,6 +130,18 @@ for _step, _suffix in ((SWAP_STEP, ""), (LATE_SWAP, f"-at{LATE_SWAP}")):
                          swap=(_before, _step), needs=("avx512_bf16", "amx_tile")))
         SWAPS[_v.name] = (_before, _after, _step)
 
+# Size or sign (sites.md): the trainer rounds to bf16 at the two sites in another mode, each
+# with the same mean |error| at the op as truncation's. On a chip whose engine rounds (AMX
+# hidden, as bf16-noamx): does truncation on the trainer's side alone, away from zero, or a
+# zero-mean error of truncation's size make GSPO fall? On a chip whose engine truncates: the
+# trainer truncating like it (the cheap fix), and a zero-mean error of that size.
+SITE_MODES = ("trunc", "away", "rne6", "sym")
+for _mode in SITE_MODES:
+    add(Variant(f"bf16-noamx-site-{_mode}", BF16, hide_amx=True, site_rounding=_mode,
+                needs=("amx_tile",)))
+for _mode in ("trunc", "rne6"):
+    add(Variant(f"bf16-site-{_mode}", BF16, site_rounding=_mode, lacks=("avx512_bf16",)))
+
 def parse_run(name):
     """(arm, variant, seed) of a run folder's name, or None where it is not ARM-VARIANT-sSEED
     of a known arm and variant (the longest arm first: grpo-len20 before grpo)."""
@@ -140,9 +157,10 @@ def variant_of(args):
     swap = (args["swap_from"], args["swap_step"]) if args.get("swap_from") else None
     seen = (args["dtype"], args.get("engine_dtype", args["dtype"]), args.get("lm_head", "same"),
             args.get("trainer_kernels", "torch"), args.get("kernel_library"),
-            bool(args.get("amx_hidden")), bool(args.get("engine_custom_ops")), dial, swap)
+            bool(args.get("amx_hidden")), bool(args.get("engine_custom_ops")), dial, swap,
+            args.get("site_rounding", "rne"))
     return next((v for v in VARIANTS.values() if v.recorded() == seen), None)
 
 def runs_on(v, isa):
-    """Whether a chip with these ISA flags can run the variant."""
-    return all(flag in isa for flag in v.needs)
+    """Whether a chip with these ISA flags runs the variant."""
+    return all(f in isa for f in v.needs) and not any(f in isa for f in v.lacks)

@@ -254,3 +254,21 @@ def test_a_swapped_run_repeats_its_stop_then_reads_the_other_librarys_mismatch(w
     variants.add(at1)  # a swap after 1 update is no plan's: named by its own record
     assert results.variant(recorded) == "bf16-trunc-to-noamx-at1"
     assert swap[1]["mismatch_logp_abs_mean"] < twin[1]["mismatch_logp_abs_mean"], (swap[1], twin[1])
+
+
+def test_the_site_rounding_variants_move_the_mismatch_as_their_side_says(warm_dir, tmp_path):
+    """sites.py through campaign.py --run --variant (one mode a process), recorded in args.json.
+    Where the engine rounds (AMX hidden): the trainer truncating at the two sites leaves a larger
+    first-update mismatch than the trainer rounding (bf16-noamx). Where the engine truncates: the
+    trainer truncating like it leaves a smaller one than bf16's."""
+    isa = machine()["cpu_isa"]
+    if "amx_tile" in isa:
+        pair = ("bf16-noamx", "bf16-noamx-site-trunc")
+    elif "avx512_bf16" not in isa:
+        pair = ("bf16", "bf16-site-trunc")
+    else:
+        pytest.skip("a rounding engine with no AMX to hide: no site variant runs here")
+    first = first_updates(warm_dir, tmp_path, pair)
+    assert first[pair[1]][1]["site_rounding"] == "trunc" and "site_rounding" not in first[pair[0]][1]
+    plain, site = (first[v][0]["mismatch_logp_abs_mean"] for v in pair)
+    assert (site > plain) if "amx_tile" in isa else (site < plain), (plain, site)

@@ -1,0 +1,117 @@
+"""
+experiments/sites.py: the trainer's own rounding at the two sites where vLLM's CPU kernels
+truncate (rounding.md): the rotary embedding's output and the attention's output. Each is a
+float32 result rounded to bf16; the trainer (model.apply_rope, precision.TensorCoreMatmuls)
+rounds it to nearest even. Here it can round another way, the backward straight through (as a
+cast's: the gradient cast back to float32, unchanged):
+
+    mode   rounds the float32 result to bf16               mean error        mean |error|
+    rne    to nearest, ties to even (the trainer's own)    0                 1/4 ulp
+    trunc  toward zero (vLLM's _C_AVX2, _C_AVX512)          -1/2 ulp (size)   1/2 ulp
+    away   away from zero                                  +1/2 ulp (size)   1/2 ulp
+    rne6   to nearest at 6 kept mantissa bits              0                 1/2 ulp
+    sym    toward zero or away, by a hash of the value     0                 1/2 ulp
+
+(ulp: bf16's unit in the last place at the value; the means over uniformly spread low bits.)
+So every mode but rne has the same mean |error| at the op, and only the sign's structure
+differs: trunc and away one-signed in size, rne6 and sym zero-mean.
+
+    python experiments/campaign.py --arms gspo-engine --variants bf16-site-trunc --seeds 0 1
+
+install(mode) sets it for the process, as rounding.load sets vLLM's library: the 16-bit trainer
+(TensorCoreMatmuls, strict) rounds its attention output in `mode`, and model.apply_rope its
+output while that trainer runs; the warm start (not strict) and float32 are untouched. Variants
+name it in their record (variants.py: site_rounding); campaign.py --run installs it. NaN stays
+NaN (quiet), infinities stay infinite. Page: experiments/sites.md.
+"""
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+import model
+import precision
+
+MODES = ("rne", "trunc", "away", "rne6", "sym")
+LOW = 0xFFFF  # the 16 bits a bf16 drops from a float32
+HASH = 0x9E3779B1  # Knuth's multiplicative hash: sym's coin, a function of the value alone
+ACTIVE = []  # the mode while the 16-bit trainer runs (SiteRounding); empty: rne everywhere
+
+def round_bits(x, mode):
+    """float32 -> float32 holding a bf16 value, rounded in `mode` on the bit pattern
+    (sign-magnitude: adding to the pattern grows the magnitude, either sign)."""
+    bits = x.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    low = bits & LOW
+    if mode == "rne6":  # drop 17 bits to nearest, ties to even: bf16 with its last bit 0
+        lsb = (bits >> 17) & 1
+        bits = (bits + 0xFFFF + lsb) & ~0x1FFFF
+    else:
+        up = {"trunc": torch.zeros_like(low, dtype=torch.bool), "away": low != 0,
+              "sym": (low != 0) & ((((bits * HASH) & 0xFFFFFFFF) >> 31) == 1)}[mode]
+        bits = (bits & ~LOW) + up * (LOW + 1)
+    out = (bits & 0xFFFFFFFF).to(torch.int64)
+    out = torch.where(out >= 2 ** 31, out - 2 ** 32, out).to(torch.int32).view(torch.float32)
+    # NaN in, quiet NaN out: the adds above could carry a payload into the exponent or sign
+    return torch.where(x.isnan(), torch.full_like(out, float("nan")), out)
+
+def round_to_bf16(x, mode):
+    """A float32 tensor rounded to bf16 in `mode` (rne: torch's cast)."""
+    if mode == "rne":
+        return x.to(torch.bfloat16)
+    return round_bits(x, mode).to(torch.bfloat16)  # exact: the value already is a bf16
+
+class RoundAt(torch.autograd.Function):
+    """The forward rounds in a mode; the backward is a cast's: the gradient, back in float32."""
+
+    @staticmethod
+    def forward(ctx, x, mode):
+        ctx.dtype = x.dtype
+        return round_to_bf16(x, mode)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
+
+def site(x32, dtype):
+    """A site's float32 result in the trainer's dtype: the active mode's rounding in bf16."""
+    if ACTIVE and dtype == torch.bfloat16:
+        return RoundAt.apply(x32, ACTIVE[-1])
+    return x32.to(dtype)
+
+def apply_rope(x, cos, sin):  # model.apply_rope, its rounding at the site
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return site(x.float() * cos + rotated.float() * sin, x.dtype)
+
+class SiteRounding(precision.TensorCoreMatmuls):
+    """TensorCoreMatmuls with the attention's output rounded in the mode, and the mode
+    active for apply_rope while the strict (16-bit trainer's) forward runs."""
+    mode = "rne"
+
+    def __enter__(self):
+        ACTIVE.extend([self.mode] * self.strict)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        del ACTIVE[len(ACTIVE) - self.strict:]
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        sdpa = func is torch.nn.functional.scaled_dot_product_attention
+        if not (sdpa and self.strict) or all(t.dtype == torch.float32 for t in tensors):
+            return super().__torch_function__(func, types, args, kwargs)
+
+        def to_f32(t):  # the parent's: inputs rounded to the dtype, computed in float32
+            is_float = isinstance(t, torch.Tensor) and t.is_floating_point()
+            return t.to(self.dtype).float() if is_float else t
+
+        args, kwargs = tree_map(to_f32, (args, kwargs or {}))
+        return site(func(*args, **kwargs), self.dtype)
+
+def install(mode):
+    """The trainer's rounding at the two sites, for this process (one mode a process)."""
+    if mode not in MODES:
+        raise ValueError(f"site rounding {mode}: one of {', '.join(MODES)}")
+    SiteRounding.mode = mode
+    precision.TensorCoreMatmuls = SiteRounding  # logits_fn reads the name at each call
+    model.apply_rope = apply_rope  # Attention.forward reads the name at each call
+    return mode

@@ -1,0 +1,129 @@
+"""experiments/sites.py: the trainer's rounding at the two sites. Each mode's error by hand and
+on random values (the docstring's table); trunc equal to vLLM's truncating kernels bit for bit
+on the op probe's inputs; rne leaving the trainer bit-identical; the backward a cast's; the warm
+start and float32 untouched."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import model
+import precision
+import sites
+from conftest import ROOT
+from instruments import machine
+
+UP, X = 1.0078125, 1.005859375  # 1 + 2^-7 (bf16's next value after 1), and 1 + 3 x 2^-9 between
+
+
+def test_each_mode_by_hand():
+    """1 + 3/4 ulp: to nearest goes up, truncation down, away up; at 6 bits (ulp 2^-6) the nearest
+    is 1; the same in size for -x; sym takes one of trunc's or away's, by the value."""
+    x = torch.tensor([X, -X, 1.0, float("nan"), float("inf")])
+    want = {"rne": [UP, -UP, 1.0], "trunc": [1.0, -1.0, 1.0], "away": [UP, -UP, 1.0],
+            "rne6": [1.0, -1.0, 1.0]}
+    for mode, values in want.items():
+        out = sites.round_to_bf16(x, mode)
+        assert out.dtype == torch.bfloat16 and out[:3].float().tolist() == values, mode
+        assert out[3].isnan() and out[4].isinf()
+    sym = sites.round_to_bf16(x, "sym").float()[:2].abs().tolist()
+    assert all(v in (1.0, UP) for v in sym)
+    nan_payloads = torch.tensor([0x7F800001, 0x7FFFFFFF, -1], dtype=torch.int32).view(torch.float32)
+    for mode in sites.MODES:  # a payload never carries into the exponent or the sign
+        assert sites.round_to_bf16(nan_payloads, mode).isnan().all(), mode
+
+
+def test_each_modes_error_has_the_tables_mean_and_mean_abs():
+    """On 10^6 random floats spread over magnitudes, in ulps of bf16 at each value: rne 1/4 ulp
+    of |error|, every other mode 1/2; trunc shrinks sizes by 1/2 ulp on average, away grows
+    them by 1/2, rne6 and sym leave them unbiased."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10 ** 6, generator=g) * torch.exp(2 * torch.randn(10 ** 6, generator=g))
+    ulp = torch.pow(2.0, torch.floor(torch.log2(x.abs())) - 7)
+    want = {"rne": (0.0, 0.25), "trunc": (-0.5, 0.5), "away": (0.5, 0.5), "rne6": (0.0, 0.5),
+            "sym": (0.0, 0.5)}
+    for mode, (size, mean_abs) in want.items():
+        r = sites.round_to_bf16(x, mode).float()
+        assert ((r.abs() - x.abs()) / ulp).mean().item() == pytest.approx(size, abs=0.01), mode
+        assert ((r - x) / ulp).abs().mean().item() == pytest.approx(mean_abs, abs=0.01), mode
+    up = sites.round_to_bf16(x, "sym").float().abs() > x.abs()
+    assert up.float().mean().item() == pytest.approx(0.5, abs=0.01)  # half each way
+
+
+PROBE = """import sys, torch
+sys.path[:0] = [{root!r}, {exp!r}]
+import rounding, sites
+rounding.load({library!r})
+torch._C._cpu._init_amx()
+for op in (rounding.rotary, rounding.attention):
+    out, ref = op(torch.bfloat16, torch.Generator().manual_seed(0))
+    same = (sites.round_to_bf16(ref, "trunc") == out).float().mean().item()
+    print(op.__name__, same, (sites.round_to_bf16(ref, "rne") == out).float().mean().item())
+"""
+
+
+def test_trunc_equals_vllms_truncating_kernels_bit_for_bit():
+    """The op probe's rotary and attention (rounding.py) on the truncating library this chip can
+    run, in a process of its own (one library a process): trunc equals every output element;
+    rne about half of them."""
+    isa = machine()["cpu_isa"]
+    library = "_C_AVX512" if "avx512f" in isa else "_C_AVX2"
+    script = PROBE.format(root=ROOT, exp=os.path.join(ROOT, "experiments"), library=library)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = dict((line.split()[0], [float(v) for v in line.split()[1:]])
+                for line in out.stdout.splitlines() if line.startswith(("rotary", "attention")))
+    assert set(rows) == {"rotary", "attention"}
+    for op, (trunc, rne) in rows.items():
+        assert trunc == 1.0 and rne < 0.7, (op, trunc, rne)
+
+
+def forward_and_grads(cfg, dtype, strict=True):
+    torch.manual_seed(0)
+    gpt = model.GPT(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (2, 16))
+    if strict:
+        logits = precision.get_precision(dtype, device="cpu").logits_fn(gpt)(idx)
+    else:  # the warm start's mixed precision
+        with precision.autocast(dtype, "cpu"):
+            logits = gpt(idx)
+    logits.float().square().mean().backward()
+    return logits.float(), [p.grad.clone() for p in gpt.parameters()]
+
+
+@pytest.fixture
+def restore(monkeypatch):
+    """sites.install patches two names for the process: put them back after the test."""
+    monkeypatch.setattr(precision, "TensorCoreMatmuls", precision.TensorCoreMatmuls)
+    monkeypatch.setattr(model, "apply_rope", model.apply_rope)
+    monkeypatch.setattr(sites.SiteRounding, "mode", "rne")
+
+
+def test_rne_leaves_the_trainer_bit_identical_and_trunc_moves_only_the_16_bit_trainer(restore):
+    cfg = model.GPTConfig(n_layer=2, n_head=4, n_embd=128, n_hidden=384, max_seq_len=32)
+    plain = {k: forward_and_grads(cfg, *k) for k in (("bf16",), ("fp32",), ("bf16", False))}
+    sites.install("rne")
+    logits, grads = forward_and_grads(cfg, "bf16")
+    assert torch.equal(logits, plain[("bf16",)][0])
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain[("bf16",)][1]))
+    sites.install("trunc")
+    assert not torch.equal(forward_and_grads(cfg, "bf16")[0], plain[("bf16",)][0])
+    for key in (("fp32",), ("bf16", False)):  # float32, and the warm start: untouched
+        assert torch.equal(forward_and_grads(cfg, *key)[0], plain[key][0]), key
+    assert sites.ACTIVE == []  # nothing left active outside the trainer's forward
+    q = torch.randn(2, 4, 16, 32).to(torch.bfloat16)
+    cos, sin = model.rope_cos_sin(cfg, 16, "cpu")
+    exact = q.float() * cos + torch.cat([-q.float()[..., 16:], q.float()[..., :16]], -1) * sin
+    with precision.TensorCoreMatmuls(torch.bfloat16, strict=True):  # the trainer: the site
+        assert torch.equal(model.apply_rope(q, cos, sin), sites.round_to_bf16(exact, "trunc"))
+    assert torch.equal(model.apply_rope(q, cos, sin), exact.to(torch.bfloat16))  # elsewhere
+
+
+def test_the_backward_is_a_casts():
+    x = torch.tensor([X, -X, 3.0], requires_grad=True)
+    for mode in sites.MODES:
+        x.grad = None
+        (sites.RoundAt.apply(x, mode).float() * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+        assert x.grad.tolist() == [1.0, 2.0, 3.0] and x.grad.dtype == torch.float32, mode
