@@ -31,14 +31,16 @@ CONTRASTS = [("bf16-aligned", "bf16"), ("fp16", "bf16"), ("bf16-rotary-torch", "
 # is it the rounding, or the kernels that -trunc swaps with it?
 CONTROL = [("bf16-trunc", "bf16-noamx"), ("bf16-noamx", "bf16")]
 
-def growth_before_fall(rows):
-    """(the step the reward first fell below FELL, the largest mean |d| before it over step
-    0's: None on an aligned run, whose mismatch is 0), or None for a run that never fell."""
+def growth_before_fall(rows, with_fall=True):
+    """(the step the reward first fell below FELL, the largest mean |d| up to it over step
+    0's: None on an aligned run, whose mismatch is 0), or None for a run that never fell.
+    with_fall: the fall's own row counted (the batch whose reward dropped); else the rows
+    before it alone."""
     fall = next((r["step"] for r in rows if r["reward_mean"] < FELL), None)
     if fall is None:
         return None
     first = rows[0]["mismatch_logp_abs_mean"]
-    most = max(r["mismatch_logp_abs_mean"] for r in rows[:fall + 1])
+    most = max(r["mismatch_logp_abs_mean"] for r in rows[:fall + with_fall] or rows[:1])
     return fall, most / first if first else None
 
 def arm_table(by_variant):

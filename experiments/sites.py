@@ -29,8 +29,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 import model
 import precision
+from variants import SITE_ROUNDING as MODES
 
-MODES = ("rne", "trunc", "away", "rne6", "sym")
 LOW = 0xFFFF  # the 16 bits a bf16 drops from a float32
 HASH = 0x9E3779B1  # Knuth's multiplicative hash: sym's coin, a function of the value alone
 ACTIVE = []  # the mode while the 16-bit trainer runs (SiteRounding); empty: rne everywhere

@@ -135,7 +135,8 @@ for _step, _suffix in ((SWAP_STEP, ""), (LATE_SWAP, f"-at{LATE_SWAP}")):
 # hidden, as bf16-noamx): does truncation on the trainer's side alone, away from zero, or a
 # zero-mean error of truncation's size make GSPO fall? On a chip whose engine truncates: the
 # trainer truncating like it (the cheap fix), and a zero-mean error of that size.
-SITE_MODES = ("trunc", "away", "rne6", "sym")
+SITE_ROUNDING = ("rne", "trunc", "away", "rne6", "sym")  # sites.py's modes; rne the trainer's
+SITE_MODES = SITE_ROUNDING[1:]
 for _mode in SITE_MODES:
     add(Variant(f"bf16-noamx-site-{_mode}", BF16, hide_amx=True, site_rounding=_mode,
                 needs=("amx_tile",)))

@@ -38,7 +38,7 @@ def test_real_rl_steps_in_each_dtype_order_their_mismatch(dtype_runs):
 
 
 def test_metrics_lines_are_strict_json(tmp_path):
-    rec = {"step": 3, "grad_norm": float("inf"), "loss": float("nan"), "reward_mean": 0.5, "mismatch_k3": 0.0,
+    rec = {"step": 3, "grad_norm": float("inf"), "loss": float("nan"), "reward_mean": 0.5, "mismatch_logp_abs_mean": 0.0,
            "loss_scale": 1.0, "step_skipped": True, "time_step_s": 1.0}
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())

@@ -1,0 +1,155 @@
+"""
+experiments/sites_figure.py: size or sign, read. The trainer rounds to bf16 at the rotary and
+attention outputs in another mode (sites.py, variants.py's site_rounding): which of truncation's
+two changes, its sign or its size, makes GSPO on the engine's pi_old fall?
+
+First the matched-size check, before any run (anatomy.py on seed 0's warm start, the same
+tokens, each mode of the trainer against the chip's rounding engine and a truncating one):
+
+    for m in rne trunc away rne6 sym; do
+      python experiments/anatomy.py --hide-amx --site-rounding $m --json $M/sites/noamx-$m.json
+      python experiments/anatomy.py --library _C_AVX512 --site-rounding $m \
+          --json $M/sites/trunc-$m.json
+    done
+    python experiments/sites_figure.py $M --matched --out figures/sites-matched-intel-amx.json
+
+Then the runs and their table and figure:
+
+    nohup python experiments/campaign.py --plan sites --seeds 0 1 2 3 4 5 6 7 > runs/sites.log &
+    python experiments/sites_figure.py $M --seeds 0 1 2 3 4 5 6 7 --out figures/sites-intel-amx.png
+
+Per variant of plan sites on the chip: its sites' mode, the step-0 mean |log mu - log pi| and
+signed mean (metrics.jsonl's first row: mismatch_logp_abs_mean, mismatch_k1) over seeds, the
+runs that fell (below causal.FELL), held-out mean +- s.e., and the paired difference with its
+control (the same record with the trainer rounding to nearest), 95 % t interval, exact sign-flip
+p and Holm over the table; then each fall's growth of the mismatch on the rows before its step.
+The figure: each seed's held-out by variant, a dot sized by that run's step-0 mean |d|.
+Page: experiments/sites.md.
+"""
+import glob
+import os
+
+import matplotlib.pyplot as plt
+
+from causal import FELL, growth_before_fall, print_contrasts
+from common import fmt, holm, load_json, mean_se, refuse
+from plans import PLANS
+from results import (COLORS, load_experiment, machine_title, paired_seeds, parse_runs,
+                     runs_parser, save)
+from variants import SITE_ROUNDING as MODES, VARIANTS
+
+ARM = "gspo-engine"
+ORDER = [v for _, vs in PLANS["sites"] for v in vs]
+
+def control_of(v):
+    """The same record with the trainer rounding to nearest at the sites, or None."""
+    rec = VARIANTS[v].recorded()
+    return next((w for w in VARIANTS if w != v and rec[:-1] == VARIANTS[w].recorded()[:-1]
+                 and VARIANTS[w].site_rounding == "rne"), None)
+
+def cell_of(runs):
+    runs = sorted(runs, key=lambda r: r[0])
+    held = [f["heldout"] for _, _, f in runs]
+    first = [rows[0] for _, rows, _ in runs]
+    m, se = mean_se(held)
+    return {"seeds": [s for s, _, _ in runs], "heldout": held, "mean": m, "se": se,
+            "fell": sum(h < FELL for h in held),
+            "step0_abs": [r["mismatch_logp_abs_mean"] for r in first],
+            "step0_signed": [r["mismatch_k1"] for r in first],
+            "growth_before_fall": [growth_before_fall(rows, with_fall=False)
+                                   for _, rows, _ in runs]}
+
+def read(path, seeds):
+    runs, where = load_experiment(path, seeds, [ARM], dial=False)
+    found = runs.get(ARM, {})
+    cells = {v: cell_of(found[v]) for v in ORDER if v in found}
+    if not cells:
+        refuse(f"{path} holds no {ARM} run of plan sites")
+    tests = [{"a": v, "b": c, **d} for v in cells if (c := control_of(v)) in cells
+             if (d := paired_seeds(cells[v], cells[c], "heldout"))]
+    for t, p in zip(tests, holm([t["p_sign_flip"] for t in tests])):
+        t["p_holm"], t["tests_in_table"] = p, len(tests)
+    return {"machine": where, "fell_below": FELL, "variants": cells, "contrasts": tests}
+
+def print_read(out):
+    print(f"\n{ARM}: step-0 mean |d| and signed mean d (mean over seeds); runs below {FELL}; "
+          "held-out (fp32 engine), mean +- s.e. (n)\n")
+    print("| variant | engine | sites | step-0 mean \\|d\\| | signed | fell | held-out |")
+    print("|---|---|---|---|---|---|---|")
+    for v, c in out["variants"].items():
+        rec = VARIANTS[v]
+        engine = rec.library or ("_C, AMX hidden" if rec.hide_amx else "the chip's own")
+        n = len(c["seeds"])
+        print(f"| {v} | {engine} | {rec.site_rounding} | {fmt(sum(c['step0_abs']) / n, '.3e')} "
+              f"| {fmt(sum(c['step0_signed']) / n, '+.2e')} | {c['fell']} of {n} | "
+              f"{fmt(c['mean'], '.4f')} +- {fmt(c['se'], '.4f')} ({n}) |")
+    if out["contrasts"]:
+        print_contrasts(out["contrasts"])
+    print("\ngrowth of mean |d| before each fall (its largest on the rows before the fall's "
+          "step, over step 0's; step)")
+    for v, c in out["variants"].items():
+        falls = [f"s{s}: {g[1]:.1f}x (step {g[0]})" for s, g in
+                 zip(c["seeds"], c["growth_before_fall"]) if g and g[1] and
+                 c["heldout"][c["seeds"].index(s)] < FELL]
+        print(f"  {v}: {', '.join(falls) or 'no fall'}")
+    print(f"\n{out['machine']}")
+
+def figure(out):
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    cells = out["variants"]
+    top = max(x for c in cells.values() for x in c["step0_abs"]) or 1.0
+    for i, (v, c) in enumerate(cells.items()):
+        sizes = [12 + 120 * x / top for x in c["step0_abs"]]
+        ax.scatter([i] * len(c["heldout"]), c["heldout"], s=sizes, color=COLORS.get(v),
+                   alpha=0.8)
+    ax.axhline(FELL, color="k", lw=0.6, ls=":")
+    ax.set_xticks(range(len(cells)), list(cells), rotation=15, fontsize=7)
+    ax.set_title(f"{ARM}: held-out accuracy after 40 updates, a dot a run, its size the "
+                 "run's step-0 mean |d|", fontsize=9)
+    ax.grid(alpha=0.3)
+    machine_title(fig, out["machine"])
+    return fig
+
+def matched(path):
+    """The matched-size check: anatomy.py's bf16 row for each mode of the trainer against each
+    engine, on one set of tokens; each mode's mean |d| over trunc's on the rounding engine."""
+    rows = {}
+    for f in sorted(glob.glob(os.path.join(path, "sites", "*.json"))):
+        r = load_json(f, "anatomy.py --site-rounding MODE --json F")
+        engine = "truncating" if r["kernel_library"] != "_C" else "rounding"
+        rows[(engine, r["site_rounding"])] = {**r["variants"]["bf16"],
+                                              "tokens": r["tokens_sha1"],
+                                              "library": r["kernel_library"]}
+    if len({r["tokens"] for r in rows.values()}) != 1 or ("rounding", "trunc") not in rows:
+        refuse(f"{path}/sites/: no rounding engine's trunc row, or not one set of tokens")
+    ref = rows[("rounding", "trunc")]["logp_abs_mean"]
+    print(f"\nbf16 on seed 0's warm start, {len(rows)} readings of the same tokens (sha1 "
+          f"{next(iter(rows.values()))['tokens']}); ratio: mean |d| over the trainer's trunc "
+          "against the rounding engine\n")
+    print("| engine | trainer's sites | mean \\|d\\| | signed mean d | ratio | within 15 % |")
+    print("|---|---|---|---|---|---|")
+    out = {}
+    for (engine, mode), r in sorted(rows.items(), key=lambda kv: (kv[0][0] != "rounding",
+                                                                   MODES.index(kv[0][1]))):
+        ratio = r["logp_abs_mean"] / ref
+        out[f"{engine}-{mode}"] = {"library": r["library"], "site_rounding": mode,
+                                   "logp_abs_mean": r["logp_abs_mean"],
+                                   "signed_mean": r["signed_mean"], "ratio_to_trunc": ratio}
+        close = "yes" if abs(ratio - 1) <= 0.15 else "no"
+        print(f"| {engine} ({r['library']}) | {mode} | {r['logp_abs_mean']:.3e} | "
+              f"{r['signed_mean']:+.2e} | {ratio:.2f} | {close} |")
+    return {"tokens_sha1": next(iter(rows.values()))["tokens"], "rows": out}
+
+def main(argv=None):
+    p = runs_parser("size or sign: plan sites's runs, or the matched-size check (docstring)")
+    p.add_argument("--matched", action="store_true", help="the matched-size table alone")
+    args = parse_runs(p, argv)
+    if args.matched:
+        from common import write_json
+        return write_json(args.out, matched(args.path))
+    out = read(args.path, args.seeds)
+    print_read(out)
+    save(figure(out), args.out, out)
+
+if __name__ == "__main__":
+    main()
