@@ -1,0 +1,90 @@
+"""experiments/sites_figure.py: the size-or-sign table by hand on hand-set runs (falls, step-0
+sizes, each variant paired with its control, Holm, the growth before a fall without its own row),
+and the matched-size table from hand-set anatomy readings."""
+import json
+import os
+
+import pytest
+
+import sites_figure
+
+MACHINE = {"cpu": "chip", "gpu": None, "cpu_isa": ["amx_tile"], "torch": "t", "vllm": "v", "host": "h"}
+NOAMX = {"dtype": "bf16", "kernel_library": "_C", "amx_hidden": True}
+HELDOUT = {"bf16-noamx": [0.95, 0.96, 0.94], "bf16-noamx-site-trunc": [0.2, 0.9, 0.3],
+           "bf16-noamx-site-sym": [0.9, 0.95, 0.9]}
+STEP0 = {"bf16-noamx": 2e-4, "bf16-noamx-site-trunc": 3e-4, "bf16-noamx-site-sym": 2.8e-4}
+
+
+def rows(v, seed, acc):
+    """Five rows; a run that fell drops below 0.5 reward at step 3, its mismatch 4x at step 2
+    and 10x at step 3 (the fall's own row)."""
+    m0, fell = STEP0[v] * (1 + seed), acc < 0.5
+    mismatch = [m0, m0 * 2, m0 * (4 if fell else 1), m0 * (10 if fell else 1), m0]
+    rest = {"pi_bucket_frac": [0.1, 0.1, 0.2, 0.3, 0.3], "pi_bucket_logp_abs_mean": [1e-3, 1e-4, 1e-5, 1e-6, 0.0],
+            "response_len_mean": 24.0, "entropy_mean": 0.1, "logit_rms": 3.0}  # what results.py reads
+    return [{"step": s, "reward_mean": 0.3 if fell and s >= 3 else 0.9, "mismatch_logp_abs_mean": m,
+             "mismatch_k1": -m / 10, **rest} for s, m in enumerate(mismatch)]
+
+
+def folder(root):
+    for v, accs in HELDOUT.items():
+        for seed, acc in enumerate(accs):
+            run = os.path.join(root, f"gspo-engine-{v}-s{seed}")
+            os.makedirs(run)
+            mode = v.rsplit("-", 1)[1] if "site" in v else None
+            args = {**NOAMX, "seed": seed, "steps": 5, "machine": MACHINE,
+                    **({"site_rounding": mode} if mode else {})}
+            json.dump(args, open(os.path.join(run, "args.json"), "w"))
+            json.dump({"accuracy": acc}, open(os.path.join(run, "heldout.json"), "w"))
+            open(os.path.join(run, "metrics.jsonl"), "w").write(
+                "\n".join(json.dumps(r) for r in rows(v, seed, acc)) + "\n")
+    return root
+
+
+def test_the_table_by_hand(tmp_path, capsys):
+    out = sites_figure.read(folder(str(tmp_path)), None)
+    cells = out["variants"]
+    assert list(cells) == ["bf16-noamx", "bf16-noamx-site-trunc", "bf16-noamx-site-sym"]  # the plan's order
+    assert cells["bf16-noamx-site-trunc"]["fell"] == 2 and cells["bf16-noamx-site-sym"]["fell"] == 0
+    assert cells["bf16-noamx-site-trunc"]["step0_abs"] == pytest.approx([3e-4, 6e-4, 9e-4])
+    assert cells["bf16-noamx-site-trunc"]["step0_signed"] == pytest.approx([-3e-5, -6e-5, -9e-5])
+    growth = cells["bf16-noamx-site-trunc"]["growth_before_fall"]
+    assert growth[0] == (3, pytest.approx(4.0)) and growth[1] is None  # step 2's 4x, not step 3's 10x
+    tests = {(t["a"], t["b"]): t for t in out["contrasts"]}
+    assert set(tests) == {("bf16-noamx-site-trunc", "bf16-noamx"), ("bf16-noamx-site-sym", "bf16-noamx")}
+    trunc = tests[("bf16-noamx-site-trunc", "bf16-noamx")]  # -0.75, -0.06, -0.64
+    assert trunc["mean"] == pytest.approx(-1.45 / 3) and trunc["p_sign_flip"] == 0.25  # 2 of 8 reach |sum|
+    assert trunc["tests_in_table"] == 2 and trunc["p_holm"] == pytest.approx(0.5)
+    sites_figure.print_read(out)
+    printed = capsys.readouterr().out
+    assert "| bf16-noamx-site-trunc | _C, AMX hidden | trunc | 6.000e-04 |" in printed
+    assert "s0: 4.0x (step 3)" in printed
+
+
+def anatomy(path, library, mode, size, signed=0.0, sha="abc"):
+    json.dump({"kernel_library": library, "site_rounding": mode, "tokens_sha1": sha,
+               "variants": {"bf16": {"logp_abs_mean": size, "signed_mean": signed}}}, open(path, "w"))
+
+
+def test_the_matched_size_table_by_hand_and_one_set_of_tokens(tmp_path, capsys):
+    os.makedirs(tmp_path / "sites")
+    for name, lib, mode, size in (("noamx-rne", "_C", "rne", 2e-4), ("noamx-trunc", "_C", "trunc", 3e-4),
+                                  ("noamx-away", "_C", "away", 4e-4), ("trunc-rne", "_C_AVX512", "rne", 4.5e-4)):
+        anatomy(tmp_path / "sites" / f"{name}.json", lib, mode, size)
+    out = sites_figure.matched(str(tmp_path))["rows"]
+    assert out["rounding-away"]["over_site_trunc"] == pytest.approx(4 / 3)
+    assert out["rounding-rne"]["over_engine_trunc"] == pytest.approx(2 / 4.5)
+    printed = capsys.readouterr().out
+    assert "| rounding (_C) | away | 4.000e-04 | +0.00e+00 | 1.33 | 0.75x | 0.89 |" in printed
+    assert "| rounding (_C) | trunc | 3.000e-04 | +0.00e+00 | 1.00 | - | 0.67 |" in printed
+    anatomy(tmp_path / "sites" / "noamx-sym.json", "_C", "sym", 2.8e-4, sha="other")
+    with pytest.raises(SystemExit) as e:  # readings of other tokens are not one table
+        sites_figure.matched(str(tmp_path))
+    assert e.value.code == 2
+
+
+def test_the_figure_and_its_json(tmp_path):
+    out = str(tmp_path / "sites.png")
+    sites_figure.main([folder(str(tmp_path / "runs")), "--out", out])
+    data = json.load(open(out.replace(".png", ".json")))
+    assert os.path.getsize(out) > 0 and data["variants"]["bf16-noamx-site-trunc"]["fell"] == 2
