@@ -34,7 +34,7 @@ from common import ROOT, load, parser, refuse
 from instruments import machine
 from plans import PLANS, plan_runs, probed
 from rounding import refuse_unrunnable
-from variants import VARIANTS, formats, parse_run
+from variants import VARIANTS, formats, option, parse_run
 
 def machine_group(m):
     """results/ subfolder name: the CPU (or GPU) model and the ISA features, as a slug."""
@@ -70,10 +70,6 @@ def finished(folder, readings_too=True):
 
 def readings(name):
     return ("heldout.json", "probe.json") if probed(name) else ("heldout.json",)
-
-def option(flags, name):
-    """The value of a train_grpo.py flag in a run's flags, or None."""
-    return flags[flags.index(name) + 1] if name in flags else None
 
 def commands(name, flags, variant, args, results):
     """The commands of one run, in order: train (or resume) it, read its held-out accuracy,
