@@ -22,7 +22,11 @@ install(mode) sets it for the process, as rounding.load sets vLLM's library: the
 (TensorCoreMatmuls, strict) rounds its attention output in `mode`, and model.apply_rope its
 output while that trainer runs; the warm start (not strict) and float32 are untouched. Variants
 name it in their record (variants.py: site_rounding); campaign.py --run installs it. NaN stays
-NaN (quiet), infinities stay infinite. Page: experiments/sites.md.
+NaN (quiet), infinities stay infinite. The cheap fix's price, a timing (the campaign paused):
+
+    python experiments/sites.py --cost --json results/MACHINE/sites/cost.json
+
+Page: experiments/sites.md.
 """
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
@@ -115,3 +119,61 @@ def install(mode):
     precision.TensorCoreMatmuls = SiteRounding  # logits_fn reads the name at each call
     model.apply_rope = apply_rope  # Attention.forward reads the name at each call
     return mode
+
+ORIGINAL = {"trainer": precision.TensorCoreMatmuls, "rope": model.apply_rope}
+
+def use(mode):
+    """install(mode), or with None the trainer as it is (the original names back)."""
+    if mode is None:
+        precision.TensorCoreMatmuls, model.apply_rope = ORIGINAL["trainer"], ORIGINAL["rope"]
+        return None
+    return install(mode)
+
+def cost(seed=0, rounds=4):
+    """The cheap fix's price: seconds of one forward + backward of the bf16 trainer on 512
+    teacher-forced held-out sequences of seed's warm start (256 problems, their answers, twice),
+    as it is, with each site mode, and on the engine's kernels (aligned); rounds over the
+    modes after a warm-up round, so drift hits every mode alike; the median of the rest."""
+    import task
+    from mismatch import time_fwd_bwd
+    from warm_start import model_config, warm_start
+
+    n_items = 12  # train_grpo's default task, its default budget 2 x 12 + 8
+    cfg = model_config(n_items, 2 * n_items + 8)
+    problems = task.make_splits(seed, n_items, task.N_EVAL)[0] * 2
+    idx, _, _ = model.pack([task.prompt_ids(p) for p, _ in problems],
+                           [task.answer_ids(a) for _, a in problems], "cpu")
+    gpt = model.load_hf(warm_start(cfg, n_items, seed, "cpu"), "cpu")
+    modes = [(None, "bf16"), *((m, "bf16") for m in MODES[1:]), (None, "bf16-aligned")]
+    times = []
+    for _ in range(rounds):
+        row = []
+        for site_mode, trainer in modes:
+            use(site_mode)
+            row.append(time_fwd_bwd(gpt, trainer, idx, "cpu"))
+        times.append(row)
+    use(None)
+    names = ["bf16", *(f"bf16-site-{m}" for m in MODES[1:]), "bf16-aligned"]
+    return {n: sorted(t[i] for t in times[1:])[len(times[1:]) // 2] for i, n in enumerate(names)}
+
+def main(argv=None):
+    import common
+    from instruments import machine
+
+    p = common.parser("the cheap fix's price: the bf16 trainer's step with each site mode")
+    p.add_argument("--cost", action="store_true", help="time forward + backward, each mode")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the times here")
+    args = p.parse_args(argv)
+    common.writable(args.json)
+    if not args.cost:
+        common.refuse("nothing to do: --cost (sites.py is otherwise a module: install(mode))")
+    seconds = cost(args.seed)
+    for name, s in seconds.items():
+        print(f"{name:18} {s:6.3f} s  {s / seconds['bf16']:5.2f}x bf16's")
+    if args.json:
+        common.write_json(args.json, {"machine": machine(), "seed": args.seed,
+                                      "trainer_fwd_bwd_s": seconds})
+
+if __name__ == "__main__":
+    main()
