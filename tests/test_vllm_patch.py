@@ -44,17 +44,17 @@ def test_the_programs_patched_statements_are_the_diffs_lines():
             assert statement in kept, (fn, statement)
 
 
-def regression(library):
-    out = os.path.join(ROOT, "runs", f"regression-{library}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+def regression(library, folder):
+    out = os.path.join(folder, f"regression-{library}.json")
     subprocess.run([sys.executable, os.path.join(PATCH, "check.py"), "regression", "--library",
                     library, "--json", out], cwd=ROOT, capture_output=True, text=True, check=True)
     return json.load(open(out))["result"]
 
 
-def test_the_offered_regression_test_fails_truncation_and_passes_rounding():
+def test_the_offered_regression_test_fails_truncation_and_passes_rounding(tmp_path):
     isa = machine()["cpu_isa"]
     truncating = "_C_AVX512" if "avx512f" in isa else "_C_AVX2"
-    assert regression(truncating) == {"library": truncating, "passed": False, "exit_status": 1}
+    assert regression(truncating, tmp_path) == {"library": truncating, "passed": False,
+                                                "exit_status": 1}
     if "avx512_bf16" in isa:  # the library that rounds: only on a chip with AVX-512-BF16
-        assert regression("_C")["passed"]
+        assert regression("_C", tmp_path)["passed"]
