@@ -31,6 +31,7 @@ Page: experiments/sites.md.
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
+import common  # first: it puts the core (model.py, precision.py) on the path
 import model
 import precision
 from variants import SITE_ROUNDING as MODES
@@ -157,7 +158,6 @@ def cost(seed=0, rounds=4):
     return {n: sorted(t[i] for t in times[1:])[len(times[1:]) // 2] for i, n in enumerate(names)}
 
 def main(argv=None):
-    import common
     from instruments import machine
 
     p = common.parser("the cheap fix's price: the bf16 trainer's step with each site mode")
