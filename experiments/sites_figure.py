@@ -119,6 +119,8 @@ def matched(path):
     rows = {}
     for f in sorted(glob.glob(os.path.join(path, "sites", "*.json"))):
         r = load_json(f, "anatomy.py --site-rounding MODE --json F")
+        if r.get("experiment") != "anatomy":  # sites.py --cost's JSON lives beside them
+            continue
         engine = "truncating" if r["kernel_library"] != "_C" else "rounding"
         rows[(engine, r["site_rounding"])] = {**r["variants"]["bf16"],
                                               "tokens": r["tokens_sha1"],

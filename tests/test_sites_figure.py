@@ -62,12 +62,13 @@ def test_the_table_by_hand(tmp_path, capsys):
 
 
 def anatomy(path, library, mode, size, signed=0.0, sha="abc"):
-    json.dump({"kernel_library": library, "site_rounding": mode, "tokens_sha1": sha,
+    json.dump({"experiment": "anatomy", "kernel_library": library, "site_rounding": mode, "tokens_sha1": sha,
                "variants": {"bf16": {"logp_abs_mean": size, "signed_mean": signed}}}, open(path, "w"))
 
 
 def test_the_matched_size_table_by_hand_and_one_set_of_tokens(tmp_path, capsys):
     os.makedirs(tmp_path / "sites")
+    json.dump({"experiment": "sites-cost"}, open(tmp_path / "sites" / "cost.json", "w"))  # not a reading
     for name, lib, mode, size in (("noamx-rne", "_C", "rne", 2e-4), ("noamx-trunc", "_C", "trunc", 3e-4),
                                   ("noamx-away", "_C", "away", 4e-4), ("trunc-rne", "_C_AVX512", "rne", 4.5e-4)):
         anatomy(tmp_path / "sites" / f"{name}.json", lib, mode, size)
