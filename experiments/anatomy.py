@@ -57,11 +57,18 @@ def by_bucket(d, pi, mask):
                      "mean": m, "ci95": [m - half, m + half] if half else None})
     return rows
 
-def temperature(d, logits, idx, mask):
-    """tau from d = (tau - 1) h, least squares over response tokens, h = E_p[z] - z_y, with a
-    95 % jackknife interval over FOLDS groups of sequences."""
+def surprise_gap(logits, idx):
+    """h = E_p[z] - z_y a token, from the float32 trainer's logits z: d's first-order
+    response to a logit temperature (float64: a difference of large sums)."""
     z = logits.double()
-    h = (torch.softmax(z, -1) * z).sum(-1) - torch.gather(z, -1, idx[:, 1:, None]).squeeze(-1)
+    return (torch.softmax(z, -1) * z).sum(-1) - torch.gather(z, -1, idx[:, 1:, None]).squeeze(-1)
+
+def temperature(d, logits, idx, mask):  # tau from the float32 trainer's logits
+    return fit_temperature(d, surprise_gap(logits, idx), mask)
+
+def fit_temperature(d, h, mask):
+    """tau from d = (tau - 1) h, least squares over response tokens, with a 95 % jackknife
+    interval over FOLDS groups of sequences."""
     dh, hh = ((d.double() * h * mask).sum(1), (h * h * mask).sum(1))  # per sequence
 
     def fit(keep):
@@ -79,9 +86,9 @@ def lag1(d, mask):
     a, b = d[:, :-1][both].double().numpy(), d[:, 1:][both].double().numpy()
     return float(np.corrcoef(a, b)[0, 1])
 
-def window(d, mask):
+def window(d, mask, clip=GSPO_CLIP):
     """GSPO's first-update log-ratio per sequence against its clip: the share outside."""
-    lo, hi = math.log(1 - GSPO_CLIP[0]), math.log(1 + GSPO_CLIP[1])
+    lo, hi = math.log(1 - clip[0]), math.log(1 + clip[1])
     m = (-(d * mask).sum(1) / mask.sum(1)).double()  # mean_t (log pi - log mu)
     bias = m.mean().item()
 
