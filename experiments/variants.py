@@ -142,6 +142,11 @@ for _mode in SITE_MODES:
                 needs=("amx_tile",)))
 for _mode in ("trunc", "rne6"):
     add(Variant(f"bf16-site-{_mode}", BF16, site_rounding=_mode, lacks=("avx512_bf16",)))
+# The same against this chip's truncating library forced (bf16-trunc, whose seeds are their
+# control), on a chip whose own library rounds: the cheap fix where its engine rounds.
+for _mode in ("trunc", "rne6"):
+    add(Variant(f"bf16-trunc-site-{_mode}", BF16, library=TRUNCATING, site_rounding=_mode,
+                needs=("avx512_bf16",)))
 
 def parse_run(name):
     """(arm, variant, seed) of a run folder's name, or None where it is not ARM-VARIANT-sSEED
