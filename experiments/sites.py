@@ -44,15 +44,17 @@ def round_bits(x, mode):
     """float32 -> float32 holding a bf16 value, rounded in `mode` on the bit pattern
     (sign-magnitude: adding to the pattern grows the magnitude, either sign)."""
     bits = x.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    low = bits & LOW
     if mode == "rne6":  # drop 17 bits to nearest, ties to even: bf16 with its last bit 0
         lsb = (bits >> 17) & 1
         bits = (bits + 0xFFFF + lsb) & ~0x1FFFF
-    else:
-        up = {"trunc": torch.zeros_like(low, dtype=torch.bool), "away": low != 0,
-              "sym": (low != 0) & ((((bits * HASH) & 0xFFFFFFFF) >> 31) == 1)}[mode]
+    elif mode == "trunc":  # drop the low 16 bits
+        bits = bits & ~LOW
+    else:  # away: up by one bf16 step wherever a low bit is set; sym: half of those, by hash
+        up = (bits & LOW) != 0
+        if mode == "sym":
+            up &= (((bits * HASH) & 0xFFFFFFFF) >> 31) == 1
         bits = (bits & ~LOW) + up * (LOW + 1)
-    out = (bits & 0xFFFFFFFF).to(torch.int64)
+    out = bits & 0xFFFFFFFF
     out = torch.where(out >= 2 ** 31, out - 2 ** 32, out).to(torch.int32).view(torch.float32)
     # NaN in, quiet NaN out: the adds above could carry a payload into the exponent or sign
     return torch.where(x.isnan(), torch.full_like(out, float("nan")), out)
