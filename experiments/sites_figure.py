@@ -24,9 +24,16 @@ runs that fell (below causal.FELL), held-out mean +- s.e., and the paired differ
 control (the same record with the trainer rounding to nearest), 95 % t interval, exact sign-flip
 p and Holm over the table; then each fall's growth of the mismatch on the rows before its step.
 The figure: each seed's held-out by variant, a dot sized by that run's step-0 mean |d|.
-Page: experiments/sites.md.
+Exploratory, after the runs: at the same step-0 size, did one-signed errors fall more than
+zero-mean ones? A run is one-signed where its record truncates or rounds away on one side only
+(the engine's library truncating against the trainer's rne, or the trainer's trunc or away
+against a rounding engine), zero-mean where the trainer rounds rne, rne6 or sym against a
+rounding engine (others unclassified); among the runs whose step-0 mean |d| lies where both
+kinds ran, the falls of each kind and Fisher's exact one-sided p (fewer zero-mean falls).
+--arm grpo reads plan sites-grpo's runs. Page: experiments/sites.md.
 """
 import glob
+import math
 import os
 
 import matplotlib.pyplot as plt
@@ -36,10 +43,11 @@ from common import fmt, holm, load_json, mean_se, refuse
 from plans import PLANS
 from results import (COLORS, load_experiment, machine_title, paired_seeds, parse_runs,
                      runs_parser, save)
-from variants import SITE_ROUNDING as MODES, VARIANTS
+from variants import SITE_ROUNDING as MODES, TRUNCATING, VARIANTS
 
 ARM = "gspo-engine"
-ORDER = [v for _, vs in PLANS["sites"] for v in vs]
+ORDER = list(dict.fromkeys(v for plan in ("sites", "sites-grpo") for _, vs in PLANS[plan]
+                           for v in vs))
 
 def control_of(v):
     """The same record with the trainer rounding to nearest at the sites, or None."""
@@ -59,20 +67,52 @@ def cell_of(runs):
             "growth_before_fall": [growth_before_fall(rows, with_fall=False)
                                    for _, rows, _ in runs]}
 
-def read(path, seeds):
-    runs, where = load_experiment(path, seeds, [ARM], dial=False)
-    found = runs.get(ARM, {})
+def read(path, seeds, arm=ARM):
+    runs, where = load_experiment(path, seeds, [arm], dial=False)
+    found = runs.get(arm, {})
     cells = {v: cell_of(found[v]) for v in ORDER if v in found}
     if not cells:
-        refuse(f"{path} holds no {ARM} run of plan sites")
+        refuse(f"{path} holds no {arm} run of plan sites")
     tests = [{"a": v, "b": c, **d} for v in cells if (c := control_of(v)) in cells
              if (d := paired_seeds(cells[v], cells[c], "heldout"))]
     for t, p in zip(tests, holm([t["p_sign_flip"] for t in tests])):
         t["p_holm"], t["tests_in_table"] = p, len(tests)
-    return {"machine": where, "fell_below": FELL, "variants": cells, "contrasts": tests}
+    return {"machine": where, "arm": arm, "fell_below": FELL, "variants": cells,
+            "contrasts": tests, "overlap": overlap(cells)}
+
+def sign_of(v):
+    """The sign structure of a variant's error: "one-signed", "zero-mean" or None (docstring)."""
+    rec, engine_rounds = VARIANTS[v], VARIANTS[v].hide_amx
+    if rec.library == TRUNCATING and rec.site_rounding == "rne":
+        return "one-signed"
+    if engine_rounds and rec.site_rounding in ("trunc", "away"):
+        return "one-signed"
+    return "zero-mean" if engine_rounds and rec.site_rounding in ("rne", "rne6", "sym") else None
+
+def fisher_one_sided(falls, n, total_falls, total):
+    """P(at most `falls` of `n` runs fall) when `total_falls` of `total` fell (hypergeometric)."""
+    return sum(math.comb(total_falls, k) * math.comb(total - total_falls, n - k)
+               for k in range(falls + 1)) / math.comb(total, n)
+
+def overlap(cells):
+    """Exploratory: one-signed against zero-mean runs where their step-0 sizes overlap."""
+    runs = {"one-signed": [], "zero-mean": []}
+    for v, c in cells.items():
+        if sign_of(v):
+            runs[sign_of(v)] += [(a, h < FELL) for a, h in zip(c["step0_abs"], c["heldout"])]
+    if not all(runs.values()):
+        return None
+    lo = max(min(a for a, _ in r) for r in runs.values())
+    hi = min(max(a for a, _ in r) for r in runs.values())
+    inside = {k: [f for a, f in r if lo <= a <= hi] for k, r in runs.items()}
+    one, zero = inside["one-signed"], inside["zero-mean"]
+    p = fisher_one_sided(sum(zero), len(zero), sum(one) + sum(zero), len(one) + len(zero))
+    return {"window": [lo, hi], "one_signed": [sum(one), len(one)],
+            "zero_mean": [sum(zero), len(zero)], "p_fisher_one_sided": p}
 
 def print_read(out):
-    print(f"\n{ARM}: step-0 mean |d| and signed mean d (mean over seeds); runs below {FELL}; "
+    print(f"\n{out['arm']}: step-0 mean |d| and signed mean d (mean over seeds); runs below "
+          f"{FELL}; "
           "held-out (fp32 engine), mean +- s.e. (n)\n")
     print("| variant | engine | sites | step-0 mean \\|d\\| | signed | fell | held-out |")
     print("|---|---|---|---|---|---|---|")
@@ -92,6 +132,12 @@ def print_read(out):
                  zip(c["seeds"], c["growth_before_fall"]) if g and g[1] and
                  c["heldout"][c["seeds"].index(s)] < FELL]
         print(f"  {v}: {', '.join(falls) or 'no fall'}")
+    o = out["overlap"]
+    if o:
+        print(f"\nexploratory, at the same step-0 size ({o['window'][0]:.3e} to "
+              f"{o['window'][1]:.3e}, where both kinds ran): one-signed fell in "
+              f"{o['one_signed'][0]} of {o['one_signed'][1]}, zero-mean in {o['zero_mean'][0]} "
+              f"of {o['zero_mean'][1]}; Fisher's exact one-sided p {o['p_fisher_one_sided']:.4f}")
     print(f"\n{out['machine']}")
 
 def figure(out):
@@ -104,7 +150,7 @@ def figure(out):
                    alpha=0.8)
     ax.axhline(FELL, color="k", lw=0.6, ls=":")
     ax.set_xticks(range(len(cells)), list(cells), rotation=15, fontsize=7)
-    ax.set_title(f"{ARM}: held-out accuracy after 40 updates, a dot a run, its size the "
+    ax.set_title(f"{out['arm']}: held-out accuracy after 40 updates, a dot a run, its size the "
                  "run's step-0 mean |d|", fontsize=9)
     ax.grid(alpha=0.3)
     machine_title(fig, out["machine"])
@@ -149,11 +195,12 @@ def matched(path):
 def main(argv=None):
     p = runs_parser("size or sign: plan sites's runs, or the matched-size check (docstring)")
     p.add_argument("--matched", action="store_true", help="the matched-size table alone")
+    p.add_argument("--arm", default=ARM, choices=[ARM, "grpo"], help="plan sites, sites-grpo")
     args = parse_runs(p, argv)
     if args.matched:
         from common import write_json
         return write_json(args.out, matched(args.path))
-    out = read(args.path, args.seeds)
+    out = read(args.path, args.seeds, args.arm)
     print_read(out)
     save(figure(out), args.out, out)
 

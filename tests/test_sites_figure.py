@@ -89,3 +89,18 @@ def test_the_figure_and_its_json(tmp_path):
     sites_figure.main([folder(str(tmp_path / "runs")), "--out", out])
     data = json.load(open(out.replace(".png", ".json")))
     assert os.path.getsize(out) > 0 and data["variants"]["bf16-noamx-site-trunc"]["fell"] == 2
+
+
+def test_fisher_and_the_overlap_by_hand():
+    """Fisher's one-sided p by hand: 0 of 3 zero-mean runs fell when 2 of 5 did, C(3,3)/C(5,3)
+    = 1/10. The overlap: runs of each kind inside the window where both kinds ran."""
+    assert sites_figure.fisher_one_sided(0, 3, 2, 5) == pytest.approx(0.1)
+    assert sites_figure.fisher_one_sided(2, 3, 2, 5) == pytest.approx(1.0)
+    cells = {"bf16-noamx": {"step0_abs": [1e-4, 3e-4], "heldout": [0.9, 0.9]},  # zero-mean
+             "bf16-noamx-site-trunc": {"step0_abs": [2e-4, 4e-4], "heldout": [0.1, 0.2]},
+             "bf16-noamx-site-sym": {"step0_abs": [2.5e-4, 5e-4], "heldout": [0.9, 0.9]},
+             "bf16-trunc-site-trunc": {"step0_abs": [3e-4], "heldout": [0.1]}}  # unclassified
+    o = sites_figure.overlap(cells)
+    assert o["window"] == [2e-4, 4e-4]  # one-signed from 2e-4, zero-mean up to 5e-4
+    assert o["one_signed"] == [2, 2] and o["zero_mean"] == [0, 2]  # 2.5e-4 and 3e-4 inside
+    assert o["p_fisher_one_sided"] == pytest.approx(1 / 6)  # C(2,2) / C(4,2)
