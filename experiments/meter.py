@@ -306,11 +306,13 @@ def print_meter(r):
           f"{r['dtype']}, trainer {r['trainer']}\n{common.machine_line(r['machine'])}")
     fp = r["engine_rounding"]
     if fp:
-        print(f"vLLM kernel library {fp['library']} (attention: {fp['attention_isa']['bf16']}"
-              f" in bf16); its float32 -> bf16 at the model's ops, share equal to nearest / "
-              "truncated: " + ", ".join(f"{k} {v['bf16']['match_nearest']:.3f} / "
-                                        f"{v['bf16'].get('match_truncation', 0):.3f}"
-                                        for k, v in fp["ops"].items()))
+        isa = fp["attention_isa"]
+        print(f"vLLM kernel library {fp['library']} (attention: {isa['bf16']} in bf16, "
+              f"{isa['fp16']} in fp16); its float32 -> 16 bits at the model's ops, the share "
+              "equal to nearest / truncated in bf16, to nearest in fp16: " + ", ".join(
+                  f"{k} {v['bf16']['match_nearest']:.3f} / "
+                  f"{v['bf16'].get('match_truncation', 0):.3f}, {v['fp16']['match_nearest']:.3f}"
+                  for k, v in fp["ops"].items()))
     print(f"identical tokens: {r['sequences']} sequences, {r['tokens']} response tokens "
           f"(sha1 {r['tokens_sha1']}), sampled by the float32 engine\n\n"
           "| mean \\|d\\| | signed mean d [95 % CI over sequences] | tau [95 % CI] | lag-1 | "
