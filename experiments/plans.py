@@ -98,7 +98,8 @@ PLANS["sites"] = [("gspo-engine", ["bf16-noamx", *(f"bf16-noamx-site-{m}" for m 
                                    "bf16-trunc", "bf16-trunc-site-trunc",
                                    "bf16-trunc-site-rne6"])]
 # Then grpo for the variants that fell in gspo-engine (sites.md), five seeds, with their control.
-PLANS["sites-grpo"] = [("grpo", ["bf16-noamx", "bf16-noamx-site-trunc", "bf16-noamx-site-away"])]
+PLANS["sites-grpo"] = [("grpo", ["bf16-noamx", "bf16-noamx-site-trunc", "bf16-noamx-site-away",
+                                "bf16-trunc", "bf16-trunc-site-rne6"])]
 
 def probed(name):
     """Whether mismatch.py --quick reads a run's policy: a PROBED arm's run of a probed variant
