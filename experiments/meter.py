@@ -22,10 +22,9 @@ prompts, as token ids: its export has no tokenizer). On identical tokens:
   6. the vLLM kernel library this process loaded and its float32 -> 16-bit rounding at each
      op (rounding.py's probe; vLLM's CPU kernels only);
   7. one line of verdict.
-The length test: the spread of the per-sequence mean of d against what i.i.d. tokens would
-give (the token variance over each sequence's length). A ratio near 1: the error averages
-out along a sequence. Above 1: it does not (a per-sequence offset, or errors correlated
-along the sequence), and a long sequence's log-ratio stays as wide as a short one's.
+The length test: the per-sequence mean of d's variance over what i.i.d. tokens would give
+(token variance / length). Near 1 the error averages out along a sequence; above 1 it does
+not (a per-sequence offset, or errors correlated along it).
 Refuses, one line and exit 2, before any work: a folder that is not a model, an architecture
 vLLM or transformers cannot load, a dtype this machine's vLLM cannot run, prompts longer than
 the context, a clip window that is not a window. On a GPU the same calls run (the op probe is
@@ -83,7 +82,7 @@ def refuse_bad_dtype(dtype):
     if DTYPES[dtype] not in current_platform.supported_dtypes:
         common.refuse(f"--dtype {dtype}: this machine's vLLM cannot run it")
 
-def read_prompts(args, config):
+def read_prompts(args):
     """Token-id prompts from --prompts (a file or a built-in set), or a refusal."""
     if args.prompts == "sorting":
         problems = task.make_splits(args.seed, args.n_items, task.N_EVAL)[0]
@@ -93,9 +92,14 @@ def read_prompts(args, config):
     elif not os.path.isfile(args.prompts):
         common.refuse(f"--prompts {args.prompts}: no such file (or text, sorting)")
     elif args.prompts.endswith(".jsonl"):
-        rows = [json.loads(line) for line in open(args.prompts) if line.strip()]
+        try:
+            rows = [json.loads(line) for line in open(args.prompts) if line.strip()]
+        except ValueError as e:
+            common.refuse(f"--prompts {args.prompts}: not JSON lines ({e})")
     else:
         rows = [{"prompt": line.rstrip("\n")} for line in open(args.prompts) if line.strip()]
+    if not rows or not all("prompt_ids" in r or "prompt" in r for r in rows):
+        common.refuse(f"--prompts {args.prompts}: no prompts, or one with no prompt(_ids)")
     if all("prompt_ids" in r for r in rows):
         return [list(r["prompt_ids"]) for r in rows]
     try:
@@ -133,9 +137,9 @@ def truncating_ops(fingerprint, dtype):
             if row["bf16"].get("match_truncation", 0) >= TRUNCATES]
 
 def hf_trainer(folder, dtype):
-    """forward(idx, dtype or None) -> (float32 logits, hidden states): transformers'
-    model in the dtype, or float32 for None. Its hidden states: the embeddings, each
-    layer's output (the last after the final norm, as transformers returns them)."""
+    """forward(idx, low) -> (float32 logits, [(name, hidden state)]): transformers' model
+    in the dtype (low) or in float32. Its hidden states: the embeddings, each layer's
+    output (the last after the final norm, as transformers returns them)."""
     from transformers import AutoModelForCausalLM
     models = {low: AutoModelForCausalLM.from_pretrained(folder, dtype=dt).to(DEVICE).eval()
               for low, dt in ((False, torch.float32), (True, DTYPES[dtype]))}
@@ -379,7 +383,7 @@ def checked(args):
         except ValueError as e:
             common.refuse(f"--trainer project: {e}")
     config = json.load(open(os.path.join(args.model, "config.json")))
-    prompts = read_prompts(args, config)
+    prompts = read_prompts(args)
     refuse_long(prompts, config, args.max_new_tokens)
     common.writable(args.json)
     return config, prompts

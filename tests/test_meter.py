@@ -94,15 +94,21 @@ def test_the_truncating_library_changes_the_verdict(qwen, qwen_result, tmp_path)
 
 
 def test_it_refuses_in_one_line_before_any_work(qwen, tmp_path, capsys):
-    """Not a model, an architecture neither loads, prompts past the context, a clip that is not a
-    window, a dtype this machine's vLLM cannot run: exit 2, one line, nothing written."""
+    """Not a model, an architecture neither loads, a prompt file that is not JSON lines or has no
+    prompt, prompts past the context, a clip that is not a window: exit 2, one line, nothing
+    written."""
     nope = tmp_path / "nope"
     nope.mkdir()
     (nope / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"]}))
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"prompt_ids": [1] * 250}) + "\n")
+    bad, none = tmp_path / "bad.jsonl", tmp_path / "none.jsonl"
+    bad.write_text("{not json\n")
+    none.write_text(json.dumps({"text": "a"}) + "\n")
     out = str(tmp_path / "out.json")
     cases = [([str(tmp_path)], "not a Hugging Face model folder"),
+             ([qwen, "--prompts", str(bad)], "not JSON lines"),
+             ([qwen, "--prompts", str(none)], "no prompt(_ids)"),
              ([str(nope)], "cannot load architecture NoSuchForCausalLM"),
              ([qwen, "--prompts", str(long)], "exceed the model's context, 256"),
              ([qwen, "--clip", "0.2", "1.5"], "--clip"),
