@@ -56,6 +56,7 @@ CHUNK = 8  # sequences a trainer forward: bounds the float32 logits' memory
 # roundoff (2^-9 for bf16, 2^-12 for fp16), unless --layer-threshold says.
 LAYER_UNITS = 4
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+STARTED = []  # a destroyed in-process engine tears down vLLM's process-wide state
 PROMPTS = [  # the built-in text prompts: short, varied, English
     "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
     "The derivative of x squared is", "To make a cup of tea, first",
@@ -228,9 +229,9 @@ def clip_shares(d, mask, clip):
     tokens = ((r < 1 - clip[0]) | (r > 1 + clip[1])).double().mean().item()
     return {"clip": list(clip), "tokens_outside": tokens, **anatomy.window(d, mask, clip)}
 
-def engines(args, config, max_len, engine=None):
+def engines(args, max_len, engine=None):
     """dtype -> an engine of the model (`engine`: the tests' shared engines, given the
-    folder's weights). Every engine stays referenced: see offline.setup."""
+    folder's weights). Every engine stays referenced to the process's end: STARTED."""
     started = {}
 
     def get(name):
@@ -241,6 +242,7 @@ def engines(args, config, max_len, engine=None):
             sync_weights(started[name], weights.items(), getattr(torch, VLLM_DTYPE[name]))
         elif name not in started:
             started[name] = start_engine(args.model, VLLM_DTYPE[name], args.seed, max_len)
+            STARTED.append(started[name])
         return started[name]
     return get
 
@@ -262,7 +264,7 @@ def measure(args, config, prompts, engine=None):
     eos = config.get("eos_token_id")
     eos = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
     max_len = max(len(p) for p in prompts) + args.max_new_tokens + 1  # prefill: one more
-    get_engine = engines(args, config, max_len, engine)
+    get_engine = engines(args, max_len, engine)
     idx, mask, mu = identical_tokens(get_engine, prompts, args, eos)
     trainer = (project_trainer if args.trainer == "project" else hf_trainer)(args.model,
                                                                           args.dtype)
@@ -359,13 +361,11 @@ def get_args(argv):
     p.add_argument("--library", choices=list(rounding.LIBRARIES), default=None,
                    help="vLLM's CPU kernels from this library (default: the one vLLM picks)")
     p.add_argument("--layer-threshold", type=float, default=None,
-                   help=f"a layer's relative error to report (default {LAYER_UNITS} units of "
-                        "the dtype's roundoff)")
+                   help=f"a layer's error to report (default {LAYER_UNITS} units of roundoff)")
     p.add_argument("--seed", type=int, default=0, help="the engine's and the sampling's")
     p.add_argument("--n-items", type=common.at_least(1), default=12,
                    help="the sorting set's digits to sort")
-    p.add_argument("--chunk", type=common.at_least(1), default=CHUNK,
-                   help="sequences a trainer forward")
+    p.add_argument("--chunk", type=common.at_least(1), default=CHUNK, help="sequences a forward")
     p.add_argument("--json", default=None, help="also write the results to this file")
     return p.parse_args(argv)
 
