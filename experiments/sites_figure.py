@@ -98,8 +98,8 @@ def overlap(cells):
     """Exploratory: one-signed against zero-mean runs where their step-0 sizes overlap."""
     runs = {"one-signed": [], "zero-mean": []}
     for v, c in cells.items():
-        if sign_of(v):
-            runs[sign_of(v)] += [(a, h < FELL) for a, h in zip(c["step0_abs"], c["heldout"])]
+        if kind := sign_of(v):
+            runs[kind] += [(a, h < FELL) for a, h in zip(c["step0_abs"], c["heldout"])]
     if not all(runs.values()):
         return None
     lo = max(min(a for a, _ in r) for r in runs.values())
@@ -112,8 +112,7 @@ def overlap(cells):
 
 def print_read(out):
     print(f"\n{out['arm']}: step-0 mean |d| and signed mean d (mean over seeds); runs below "
-          f"{FELL}; "
-          "held-out (fp32 engine), mean +- s.e. (n)\n")
+          f"{FELL}; held-out (fp32 engine), mean +- s.e. (n)\n")
     print("| variant | engine | sites | step-0 mean \\|d\\| | signed | fell | held-out |")
     print("|---|---|---|---|---|---|---|")
     for v, c in out["variants"].items():
