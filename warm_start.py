@@ -1,7 +1,7 @@
 """
 warm_start.py: the supervised warm start RL begins from, trained once and cached.
 
-    python warm_start.py --seed 0     # train_grpo.py calls it too
+    ckpt = warm_start(model_config(12, 32), 12, seed=0, device="cpu")  # as train_grpo.py does
 
 The GPT for the task (model_config), trained on worked solutions with a few wrong digits:
 like a base model, it solves most problems at temperature 1 but not all: RL's gap to close.
