@@ -100,6 +100,11 @@ PLANS["sites"] = [("gspo-engine", ["bf16-noamx", *(f"bf16-noamx-site-{m}" for m 
 # Then grpo for the variants that fell in gspo-engine (sites.md), five seeds, with their control.
 PLANS["sites-grpo"] = [("grpo", ["bf16-noamx", "bf16-noamx-site-trunc", "bf16-noamx-site-away",
                                 "bf16-trunc", "bf16-trunc-site-rne6"])]
+# Scale (scale.md): the headline contrast and the cheap fix on a GPT eight times larger, five
+# seeds: the truncating library forced first, then its rounding control, the cheap fix, and the
+# aligned trainer; a seed's four runs before the next seed's.
+PLANS["scale"] = [("gspo-engine-x8", ["bf16-trunc", "bf16-noamx", "bf16-trunc-site-trunc",
+                                      "bf16-trunc-aligned"])]
 
 def probed(name):
     """Whether mismatch.py --quick reads a run's policy: a PROBED arm's run of a probed variant

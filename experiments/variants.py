@@ -43,6 +43,11 @@ ARMS = {  # the flags every variant of an arm shares
 LENGTH_ITEMS = 20
 for _arm in ("grpo", "gspo-engine"):
     ARMS[f"{_arm}-len{LENGTH_ITEMS}"] = [*ARMS[_arm], "--n-items", str(LENGTH_ITEMS)]
+# Scale (scale.md): gspo-engine with a GPT about eight times larger (6.95M parameters against
+# 0.92M), its head size the default's (32), its own warm start; not PROBED: mismatch.py --quick
+# reads the 0.9M GPT's warm start beside a run.
+SCALE = ["--n-layer", "8", "--n-head", "8", "--n-embd", "256"]
+ARMS["gspo-engine-x8"] = [*ARMS["gspo-engine"], *SCALE]
 PROBED = ("gspo-engine",)  # arms whose policies mismatch.py --quick also reads
 
 @dataclass(frozen=True)

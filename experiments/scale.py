@@ -1,0 +1,144 @@
+"""
+experiments/scale.py: does the rounding's effect hold on a GPT about eight times larger? The
+causal test's headline contrast (causal.md) and the cheap fix (sites.md) on arm gspo-engine-x8
+(variants.py: gspo-engine's flags, SCALE's 8 layers, 8 heads of 32, width 256), five seeds,
+read beside the same variants' runs of gspo-engine (the 0.9M GPT) at the same seeds.
+
+First each seed's two warm starts (trained here unless cached, as train_grpo.py would train
+them) and their held-out accuracy by one fp32 engine (heldout.py, a JSON each in $M/scale/):
+the larger's must reach at least the smaller's before its runs count.
+
+    python experiments/scale.py $M --warm-starts --seeds 0 1 2 3 4 \
+        --out figures/scale-warm-starts-intel-amx.json
+
+Then the runs, their table and figure:
+
+    nohup python experiments/campaign.py --plan scale --seeds 0 1 2 3 4 > runs/scale.log &
+    python experiments/scale.py $M --seeds 0 1 2 3 4 --out figures/scale-intel-amx.png
+
+Per arm and variant (plan scale's): the step-0 mean |log mu - log pi| and signed mean over
+seeds, the runs that fell (held-out below causal.FELL), held-out mean +- s.e. (n); then
+CONTRASTS paired by seed (95 % t interval, exact sign-flip p), Holm over each arm's own: the
+larger GPT's are the pre-registered family (scale.md). The figure: a panel per arm, each
+seed's held-out by variant, a dot sized by that run's step-0 mean |d|.
+Page: experiments/scale.md.
+"""
+import os
+import subprocess
+import sys
+
+import matplotlib.pyplot as plt
+
+from causal import FELL, print_contrasts
+from common import HERE, fmt, holm, load, refuse, write_json
+from plans import PLANS
+from results import COLORS, load_experiment, machine_title, paired_seeds, parse_runs
+from results import runs_parser, save
+from sites_figure import cell_of
+from variants import ARMS
+
+SMALL, LARGE = "gspo-engine", PLANS["scale"][0][0]
+ORDER = PLANS["scale"][0][1]
+CONTRASTS = [("bf16-trunc", "bf16-noamx"),  # the rounding: does it still make GSPO fall?
+             ("bf16-trunc-aligned", "bf16-trunc"),  # the aligned trainer, mismatch 0
+             ("bf16-trunc-site-trunc", "bf16-trunc")]  # the cheap fix (sites.md)
+
+def warm_start_of(arm, seed):
+    """(checkpoint folder, parameters) of the warm start an arm's runs begin from, from the
+    flags train_grpo.py reads; trained here unless cached. torch only here: the table and
+    figure import none."""
+    import train_grpo
+    from model import load_hf
+    from precision import get_precision
+    from warm_start import model_config, warm_start
+    a = train_grpo.get_args([*ARMS[arm], "--seed", str(seed), "--out", os.devnull])  # no run
+    cfg = model_config(a.n_items, a.max_new_tokens, a.n_layer, a.n_head, a.n_embd)
+    device = get_precision(a.dtype).device  # where train_grpo.py would train it
+    ckpt = warm_start(cfg, a.n_items, seed, device)
+    return ckpt, sum(p.numel() for p in load_hf(ckpt, device).parameters())
+
+def warm_starts(path, seeds):
+    """Each seed's two warm starts' held-out accuracy (heldout.py, a process each: one engine
+    configuration a process), the larger's minus the smaller's, and whether it reaches it."""
+    out = {}
+    for seed in seeds:
+        row = {}
+        for arm in (SMALL, LARGE):
+            ckpt, params = warm_start_of(arm, seed)
+            json_path = os.path.join(path, "scale", f"warmstart-{arm}-s{seed}.json")
+            if not load(json_path):  # resumable: a reading already written is kept
+                os.makedirs(os.path.dirname(json_path), exist_ok=True)
+                subprocess.run([sys.executable, os.path.join(HERE, "heldout.py"), "--init",
+                                ckpt, "--seed", str(seed), "--json", json_path], check=True)
+            r = load(json_path)
+            row[arm] = {"checkpoint": ckpt, "parameters": params, "accuracy": r["accuracy"],
+                        "se": r["se"]}
+        gap = row[LARGE]["accuracy"] - row[SMALL]["accuracy"]
+        out[f"s{seed}"] = {**row, "larger_minus_smaller": gap, "reaches": gap >= 0}
+    print(f"\nwarm starts' held-out accuracy (fp32 engine), {SMALL} | {LARGE}\n")
+    print("| seed | parameters | smaller | larger | larger - smaller | reaches |")
+    print("|---|---|---|---|---|---|")
+    for s, row in out.items():
+        a, b = row[SMALL], row[LARGE]
+        print(f"| {s} | {a['parameters']:,} / {b['parameters']:,} | {a['accuracy']:.4f} +- "
+              f"{a['se']:.4f} | {b['accuracy']:.4f} +- {b['se']:.4f} | "
+              f"{row['larger_minus_smaller']:+.4f} | {'yes' if row['reaches'] else 'no'} |")
+    return out
+
+def read(path, seeds):
+    runs, where = load_experiment(path, seeds, [SMALL, LARGE], dial=False)
+    if LARGE not in runs:
+        refuse(f"{path} holds no finished {LARGE} run of plan scale")
+    arms = {}
+    for arm in (SMALL, LARGE):
+        found = runs.get(arm, {})
+        cells = {v: cell_of(found[v]) for v in ORDER if v in found}
+        tests = [{"a": a, "b": b, **d} for a, b in CONTRASTS if a in cells and b in cells
+                 if (d := paired_seeds(cells[a], cells[b], "heldout"))]
+        for t, p in zip(tests, holm([t["p_sign_flip"] for t in tests])):
+            t["p_holm"], t["tests_in_table"] = p, len(tests)
+        arms[arm] = {"variants": cells, "contrasts": tests}
+    return {"machine": where, "fell_below": FELL, "arms": arms}
+
+def print_read(out):
+    for arm, a in out["arms"].items():
+        print(f"\n{arm}: step-0 mean |d| and signed mean d (mean over seeds); runs below "
+              f"{FELL}; held-out (fp32 engine), mean +- s.e. (n)\n")
+        print("| variant | step-0 mean \\|d\\| | signed | fell | held-out |\n|---|---|---|---|---|")
+        for v, c in a["variants"].items():
+            n = len(c["seeds"])
+            print(f"| {v} | {fmt(sum(c['step0_abs']) / n, '.3e')} | "
+                  f"{fmt(sum(c['step0_signed']) / n, '+.2e')} | {c['fell']} of {n} | "
+                  f"{fmt(c['mean'], '.4f')} +- {fmt(c['se'], '.4f')} ({n}) |")
+        if a["contrasts"]:
+            print_contrasts(a["contrasts"])
+    print(f"\n{out['machine']}")
+
+def figure(out):
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
+    cells = [c for a in out["arms"].values() for c in a["variants"].values()]
+    top = max(x for c in cells for x in c["step0_abs"]) or 1.0
+    for ax, (arm, a) in zip(axes, out["arms"].items()):
+        for i, (v, c) in enumerate(a["variants"].items()):
+            sizes = [12 + 120 * x / top for x in c["step0_abs"]]
+            ax.scatter([i] * len(c["heldout"]), c["heldout"], s=sizes, color=COLORS.get(v),
+                       alpha=0.8)
+        ax.axhline(FELL, color="k", lw=0.6, ls=":")
+        ax.set_xticks(range(len(a["variants"])), list(a["variants"]), rotation=15, fontsize=7)
+        ax.set_title(f"{arm}: held-out after 40 updates; dot size: step-0 mean |d|", fontsize=8)
+        ax.grid(alpha=0.3)
+    machine_title(fig, out["machine"])
+    return fig
+
+def main(argv=None):
+    p = runs_parser("scale: plan scale's runs beside the 0.9M GPT's, or the warm starts")
+    p.add_argument("--warm-starts", action="store_true", help="the warm starts' table alone")
+    args = parse_runs(p, argv)
+    if args.warm_starts:
+        return write_json(args.out, warm_starts(args.path, args.seeds or [0]))
+    out = read(args.path, args.seeds)
+    print_read(out)
+    save(figure(out), args.out, out)
+
+if __name__ == "__main__":
+    main()

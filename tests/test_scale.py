@@ -1,0 +1,79 @@
+"""experiments/scale.py: the scale table by hand on hand-set runs of both arms (falls, step-0
+sizes, the contrasts paired by seed, Holm over each arm's own), and the warm starts' table from
+hand-set held-out readings (the larger must reach the smaller's)."""
+import json
+import os
+import shutil
+
+import pytest
+
+import scale
+
+MACHINE = {"cpu": "chip", "gpu": None, "cpu_isa": ["amx_tile"], "torch": "t", "vllm": "v", "host": "h"}
+RECORDS = {"bf16-noamx": {"kernel_library": "_C", "amx_hidden": True},
+           "bf16-trunc": {"kernel_library": "_C_AVX512"},
+           "bf16-trunc-site-trunc": {"kernel_library": "_C_AVX512", "site_rounding": "trunc"}}
+HELDOUT = {"gspo-engine": {"bf16-noamx": [0.95, 0.96, 0.94], "bf16-trunc": [0.2, 0.9, 0.3],
+                           "bf16-trunc-site-trunc": [0.96, 0.95, 0.95]},
+           "gspo-engine-x8": {"bf16-noamx": [0.97, 0.96, 0.98], "bf16-trunc": [0.96, 0.1, 0.97]}}
+
+
+def rows(seed, acc, m0=1e-4):
+    rest = {"pi_bucket_frac": [0.1, 0.1, 0.2, 0.3, 0.3], "pi_bucket_logp_abs_mean": [1e-3, 1e-4, 1e-5, 1e-6, 0.0],
+            "response_len_mean": 24.0, "entropy_mean": 0.1, "logit_rms": 3.0}  # what results.py reads
+    return [{"step": s, "reward_mean": 0.3 if acc < 0.5 and s >= 2 else 0.9,
+             "mismatch_logp_abs_mean": m0 * (1 + seed) * (1 + s), "mismatch_k1": -m0 / 10, **rest}
+            for s in range(3)]
+
+
+def folder(root):
+    for arm, cells in HELDOUT.items():
+        for v, accs in cells.items():
+            for seed, acc in enumerate(accs):
+                run = os.path.join(root, f"{arm}-{v}-s{seed}")
+                os.makedirs(run)
+                args = {"dtype": "bf16", **RECORDS[v], "seed": seed, "steps": 3, "machine": MACHINE}
+                json.dump(args, open(os.path.join(run, "args.json"), "w"))
+                json.dump({"accuracy": acc}, open(os.path.join(run, "heldout.json"), "w"))
+                open(os.path.join(run, "metrics.jsonl"), "w").write(
+                    "\n".join(json.dumps(r) for r in rows(seed, acc)) + "\n")
+    return root
+
+
+def test_the_table_by_hand_each_arm_its_own_family(tmp_path, capsys):
+    out = scale.read(folder(str(tmp_path)), None)
+    small, large = out["arms"]["gspo-engine"], out["arms"]["gspo-engine-x8"]
+    assert list(small["variants"]) == ["bf16-trunc", "bf16-noamx", "bf16-trunc-site-trunc"]  # the plan's order
+    assert large["variants"]["bf16-trunc"]["fell"] == 1 and small["variants"]["bf16-trunc"]["fell"] == 2
+    assert large["variants"]["bf16-trunc"]["step0_abs"] == pytest.approx([1e-4, 2e-4, 3e-4])
+    pairs = {(t["a"], t["b"]): t for t in small["contrasts"]}
+    assert set(pairs) == {("bf16-trunc", "bf16-noamx"), ("bf16-trunc-site-trunc", "bf16-trunc")}
+    fix = pairs[("bf16-trunc-site-trunc", "bf16-trunc")]  # +0.76, +0.05, +0.65
+    assert fix["mean"] == pytest.approx(1.46 / 3) and fix["p_sign_flip"] == 0.25
+    assert fix["tests_in_table"] == 2 and fix["p_holm"] == pytest.approx(0.5)
+    (only,) = large["contrasts"]  # one test: Holm leaves its p as it is
+    assert (only["a"], only["b"], only["tests_in_table"]) == ("bf16-trunc", "bf16-noamx", 1)
+    assert only["p_holm"] == only["p_sign_flip"] and only["mean"] == pytest.approx(-0.88 / 3)
+    scale.print_read(out)
+    printed = capsys.readouterr().out
+    assert "| bf16-trunc | 2.000e-04 | -1.00e-05 | 1 of 3 | 0.6767 +- 0.2883 (3) |" in printed
+
+
+def test_no_larger_run_is_refused(tmp_path):
+    root = folder(str(tmp_path))
+    for name in os.listdir(root):
+        if name.startswith("gspo-engine-x8-"):
+            shutil.rmtree(os.path.join(root, name))
+    with pytest.raises(SystemExit) as e:
+        scale.read(root, None)
+    assert e.value.code == 2
+
+
+def test_the_warm_starts_table_reads_its_readings_and_says_whether_the_larger_reaches(tmp_path, monkeypatch):
+    os.makedirs(tmp_path / "scale")
+    for arm, acc in (("gspo-engine", 0.92), ("gspo-engine-x8", 0.90)):  # seed 0's larger falls short
+        json.dump({"accuracy": acc, "se": 0.01}, open(tmp_path / "scale" / f"warmstart-{arm}-s0.json", "w"))
+    monkeypatch.setattr(scale, "warm_start_of", lambda arm, seed: (f"runs/warmstart/{arm}", 10))
+    out = scale.warm_starts(str(tmp_path), [0])  # readings present: no heldout.py process
+    assert out["s0"]["larger_minus_smaller"] == pytest.approx(-0.02) and out["s0"]["reaches"] is False
+    assert out["s0"]["gspo-engine-x8"]["checkpoint"] == "runs/warmstart/gspo-engine-x8"
