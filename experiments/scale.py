@@ -42,6 +42,18 @@ ORDER = PLANS["scale"][0][1]
 CONTRASTS = [("bf16-trunc", "bf16-noamx"),  # the rounding: does it still make GSPO fall?
              ("bf16-trunc-aligned", "bf16-trunc"),  # the aligned trainer, mismatch 0
              ("bf16-trunc-site-trunc", "bf16-trunc")]  # the cheap fix (sites.md)
+STEP0_RATIOS = [("bf16-trunc", "bf16-noamx"), ("bf16-trunc-site-trunc", "bf16-noamx")]
+
+def step0_ratios(cells):
+    """Each pair's step-0 mean |d| over the rounding control's, seed by seed: mean and range."""
+    out = {}
+    for a, b in STEP0_RATIOS:
+        if a in cells and b in cells:
+            both = sorted(set(cells[a]["seeds"]) & set(cells[b]["seeds"]))
+            r = [cells[a]["step0_abs"][cells[a]["seeds"].index(s)]
+                 / cells[b]["step0_abs"][cells[b]["seeds"].index(s)] for s in both]
+            out[f"{a} / {b}"] = {"seeds": both, "mean": sum(r) / len(r), "range": [min(r), max(r)]}
+    return out
 
 def warm_start_of(arm, seed):
     """(checkpoint folder, parameters) of the warm start an arm's runs begin from, from the
@@ -87,17 +99,17 @@ def warm_starts(path, seeds):
 
 def read(path, seeds):
     runs, where = load_experiment(path, seeds, [SMALL, LARGE], dial=False)
-    if LARGE not in runs:
-        refuse(f"{path} holds no finished {LARGE} run of plan scale")
     arms = {}
-    for arm in (SMALL, LARGE):
-        found = runs.get(arm, {})
+    for arm in (a for a in (SMALL, LARGE) if a in runs):
+        found = runs[arm]
         cells = {v: cell_of(found[v]) for v in ORDER if v in found}
         tests = [{"a": a, "b": b, **d} for a, b in CONTRASTS if a in cells and b in cells
                  if (d := paired_seeds(cells[a], cells[b], "heldout"))]
         for t, p in zip(tests, holm([t["p_sign_flip"] for t in tests])):
             t["p_holm"], t["tests_in_table"] = p, len(tests)
-        arms[arm] = {"variants": cells, "contrasts": tests}
+        arms[arm] = {"variants": cells, "contrasts": tests, "step0_ratios": step0_ratios(cells)}
+    if not any(a["variants"] for a in arms.values()):
+        refuse(f"{path} holds no finished run of plan scale's variants on {SMALL} or {LARGE}")
     return {"machine": where, "fell_below": FELL, "arms": arms}
 
 def print_read(out):
@@ -112,6 +124,9 @@ def print_read(out):
                   f"{fmt(c['mean'], '.4f')} +- {fmt(c['se'], '.4f')} ({n}) |")
         if a["contrasts"]:
             print_contrasts(a["contrasts"])
+        for pair, r in a["step0_ratios"].items():
+            print(f"step-0 mean |d|, {pair}, seed by seed: mean {r['mean']:.2f}x, "
+                  f"{r['range'][0]:.2f}x to {r['range'][1]:.2f}x (n = {len(r['seeds'])})")
     print(f"\n{out['machine']}")
 
 def figure(out):

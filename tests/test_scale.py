@@ -57,13 +57,24 @@ def test_the_table_by_hand_each_arm_its_own_family(tmp_path, capsys):
     scale.print_read(out)
     printed = capsys.readouterr().out
     assert "| bf16-trunc | 2.000e-04 | -1.00e-05 | 1 of 3 | 0.6767 +- 0.2883 (3) |" in printed
+    ratios = small["step0_ratios"]  # every run's step 0 is 1e-4 x (1 + seed): a ratio of 1 by seed
+    assert ratios["bf16-trunc / bf16-noamx"]["mean"] == pytest.approx(1.0)
+    assert "bf16-trunc / bf16-noamx, seed by seed: mean 1.00x, 1.00x to 1.00x (n = 3)" in printed
 
 
-def test_no_larger_run_is_refused(tmp_path):
+def test_the_smaller_arm_reads_alone_and_a_folder_without_the_plans_variants_is_refused(tmp_path):
     root = folder(str(tmp_path))
     for name in os.listdir(root):
         if name.startswith("gspo-engine-x8-"):
             shutil.rmtree(os.path.join(root, name))
+    assert list(scale.read(root, None)["arms"]) == ["gspo-engine"]  # the prediction's numbers
+    for name in os.listdir(root):  # one run left, of a variant not in plan scale (bf16)
+        if name != "gspo-engine-bf16-noamx-s0":
+            shutil.rmtree(os.path.join(root, name))
+    args = json.load(open(os.path.join(root, "gspo-engine-bf16-noamx-s0", "args.json")))
+    json.dump({k: v for k, v in args.items() if k not in RECORDS["bf16-noamx"]},
+              open(os.path.join(root, "gspo-engine-bf16-noamx-s0", "args.json"), "w"))
+    os.rename(os.path.join(root, "gspo-engine-bf16-noamx-s0"), os.path.join(root, "gspo-engine-bf16-s0"))
     with pytest.raises(SystemExit) as e:
         scale.read(root, None)
     assert e.value.code == 2
