@@ -48,8 +48,8 @@ def step0_ratios(cells):
     """Each pair's step-0 mean |d| over the rounding control's, seed by seed: mean and range."""
     out = {}
     for a, b in STEP0_RATIOS:
-        if a in cells and b in cells:
-            both = sorted(set(cells[a]["seeds"]) & set(cells[b]["seeds"]))
+        both = a in cells and b in cells and sorted(set(cells[a]["seeds"]) & set(cells[b]["seeds"]))
+        if both:  # seeds both have
             r = [cells[a]["step0_abs"][cells[a]["seeds"].index(s)]
                  / cells[b]["step0_abs"][cells[b]["seeds"].index(s)] for s in both]
             out[f"{a} / {b}"] = {"seeds": both, "mean": sum(r) / len(r), "range": [min(r), max(r)]}
