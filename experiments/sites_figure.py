@@ -104,6 +104,8 @@ def overlap(cells):
         return None
     lo = max(min(a for a, _ in r) for r in runs.values())
     hi = min(max(a for a, _ in r) for r in runs.values())
+    if lo > hi:  # the kinds' step-0 sizes do not overlap: nothing to compare at one size
+        return None
     inside = {k: [f for a, f in r if lo <= a <= hi] for k, r in runs.items()}
     one, zero = inside["one-signed"], inside["zero-mean"]
     p = fisher_one_sided(sum(zero), len(zero), sum(one) + sum(zero), len(one) + len(zero))

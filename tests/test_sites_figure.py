@@ -104,3 +104,6 @@ def test_fisher_and_the_overlap_by_hand():
     assert o["window"] == [2e-4, 4e-4]  # one-signed from 2e-4, zero-mean up to 5e-4
     assert o["one_signed"] == [2, 2] and o["zero_mean"] == [0, 2]  # 2.5e-4 and 3e-4 inside
     assert o["p_fisher_one_sided"] == pytest.approx(1 / 6)  # C(2,2) / C(4,2)
+    apart = {"bf16-noamx": {"step0_abs": [1e-4, 2e-4], "heldout": [0.9, 0.9]},
+             "bf16-noamx-site-trunc": {"step0_abs": [3e-4, 4e-4], "heldout": [0.9, 0.9]}}
+    assert sites_figure.overlap(apart) is None  # no size both kinds ran at
