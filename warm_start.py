@@ -1,12 +1,10 @@
 """
-warm_start.py: the supervised warm start RL begins from, trained once and cached.
-
-    ckpt = warm_start(model_config(12, 32), 12, seed=0, device="cpu")  # as train_grpo.py does
-
-The GPT for the task (model_config), trained on worked solutions with a few wrong digits:
-like a base model, it solves most problems at temperature 1 but not all: RL's gap to close.
-It teaches: every dtype's RL run starts from the same float32 weights, trained as base
-models are (bf16 matmuls, no loss scaling). Left out: a pretraining corpus.
+warm_start.py: the supervised warm start RL begins from (train_grpo.py calls warm_start),
+trained once and cached. The GPT for the task (model_config), trained on worked solutions
+with a few wrong digits: like a base model, it solves most problems at temperature 1 but not
+all: RL's gap to close. It teaches: every dtype's RL run starts from the same float32
+weights, trained as base models are (bf16 matmuls, no loss scaling), a wider GPT with a
+smaller step. Left out: a pretraining corpus.
 """
 import hashlib
 import json
@@ -22,7 +20,8 @@ from precision import autocast
 
 WARMSTART_DIR = "runs/warmstart"  # checkpoints, keyed by a hash of all that sets them
 SFT_STEPS = 600
-SFT_LR = 3e-3
+SFT_LR = 3e-3  # at width SFT_WIDTH; lr x width is held (warm_start)
+SFT_WIDTH = 128
 SFT_BATCH = 64
 SFT_NOISE = 0.005  # the chance that a solution digit is wrong
 
@@ -39,8 +38,9 @@ def model_config(n_items, max_new_tokens, n_layer=4, n_head=4, n_embd=128):
 
 def warm_start(cfg, n_items, seed, device):
     """The warm start's checkpoint folder: trained unless cached."""
+    lr = SFT_LR * SFT_WIDTH / cfg.n_embd  # Adam moves each weight ~lr: a wider layer sums more
     key = json.dumps({"cfg": cfg.__dict__, "n_items": n_items, "seed": seed,
-                      "steps": SFT_STEPS, "lr": SFT_LR, "batch": SFT_BATCH,
+                      "steps": SFT_STEPS, "lr": lr, "batch": SFT_BATCH,
                       "noise": SFT_NOISE}, sort_keys=True)
     ckpt = os.path.join(WARMSTART_DIR, hashlib.sha256(key.encode()).hexdigest()[:12])
     if os.path.isfile(os.path.join(ckpt, "config.json")):  # save_hf writes it last
@@ -53,7 +53,7 @@ def warm_start(cfg, n_items, seed, device):
     for step in range(SFT_STEPS):
         warm = min(1.0, (step + 1) / 50)
         for g in opt.param_groups:
-            g["lr"] = SFT_LR * warm * (0.5 + 0.5 * math.cos(math.pi * step / SFT_STEPS))
+            g["lr"] = lr * warm * (0.5 + 0.5 * math.cos(math.pi * step / SFT_STEPS))
         batch = train_batch(("sft", step), SFT_BATCH)
         noise = random.Random(task.seed_of("noise", seed, step))
         answers = [task.noisy_answer(a, noise, SFT_NOISE) for _, a in batch]
