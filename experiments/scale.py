@@ -78,7 +78,7 @@ def warm_starts(path, seeds):
         for arm in (SMALL, LARGE):
             ckpt, params = warm_start_of(arm, seed)
             json_path = os.path.join(path, "scale", f"warmstart-{arm}-s{seed}.json")
-            if not load(json_path):  # resumable: a reading already written is kept
+            if (load(json_path) or {}).get("checkpoint") != ckpt:  # a reading of it is kept
                 os.makedirs(os.path.dirname(json_path), exist_ok=True)
                 subprocess.run([sys.executable, os.path.join(HERE, "heldout.py"), "--init",
                                 ckpt, "--seed", str(seed), "--json", json_path], check=True)

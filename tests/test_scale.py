@@ -81,10 +81,26 @@ def test_the_smaller_arm_reads_alone_and_a_folder_without_the_plans_variants_is_
 
 
 def test_the_warm_starts_table_reads_its_readings_and_says_whether_the_larger_reaches(tmp_path, monkeypatch):
+    """A reading of the arm's own warm start is kept; one of another checkpoint (an earlier recipe's)
+    is measured again, by heldout.py in a process of its own."""
     os.makedirs(tmp_path / "scale")
     for arm, acc in (("gspo-engine", 0.92), ("gspo-engine-x8", 0.90)):  # seed 0's larger falls short
-        json.dump({"accuracy": acc, "se": 0.01}, open(tmp_path / "scale" / f"warmstart-{arm}-s0.json", "w"))
+        json.dump({"checkpoint": f"runs/warmstart/{arm}", "accuracy": acc, "se": 0.01},
+                  open(tmp_path / "scale" / f"warmstart-{arm}-s0.json", "w"))
     monkeypatch.setattr(scale, "warm_start_of", lambda arm, seed: (f"runs/warmstart/{arm}", 10))
-    out = scale.warm_starts(str(tmp_path), [0])  # readings present: no heldout.py process
-    assert out["s0"]["larger_minus_smaller"] == pytest.approx(-0.02) and out["s0"]["reaches"] is False
+    calls = []
+    monkeypatch.setattr(scale.subprocess, "run", lambda cmd, check: calls.append(cmd))
+    out = scale.warm_starts(str(tmp_path), [0])  # both readings are of these checkpoints
+    assert calls == [] and out["s0"]["reaches"] is False
+    assert out["s0"]["larger_minus_smaller"] == pytest.approx(-0.02)
     assert out["s0"]["gspo-engine-x8"]["checkpoint"] == "runs/warmstart/gspo-engine-x8"
+
+    def heldout(cmd, check):  # what heldout.py would write for the new checkpoint
+        calls.append(cmd)
+        json.dump({"checkpoint": cmd[cmd.index("--init") + 1], "accuracy": 0.95, "se": 0.01},
+                  open(cmd[cmd.index("--json") + 1], "w"))
+    monkeypatch.setattr(scale.subprocess, "run", heldout)
+    monkeypatch.setattr(scale, "warm_start_of", lambda arm, seed: (f"runs/warmstart/{arm}-new", 10))
+    out = scale.warm_starts(str(tmp_path), [0])
+    assert len(calls) == 2 and out["s0"]["reaches"] is True
+    assert calls[1][calls[1].index("--init") + 1] == "runs/warmstart/gspo-engine-x8-new"
