@@ -30,11 +30,11 @@ import sys
 import matplotlib.pyplot as plt
 
 from causal import FELL, print_contrasts
-from common import HERE, fmt, holm, load, refuse, write_json
+from common import HERE, holm, load, refuse, write_json
 from plans import PLANS
-from results import COLORS, load_experiment, machine_title, paired_seeds, parse_runs
+from results import load_experiment, machine_title, paired_seeds, parse_runs
 from results import runs_parser, save
-from sites_figure import cell_of
+from sites_figure import cell_of, columns, draw_cells
 from variants import ARMS
 
 SMALL, LARGE = "gspo-engine", PLANS["scale"][0][0]
@@ -118,10 +118,7 @@ def print_read(out):
               f"{FELL}; held-out (fp32 engine), mean +- s.e. (n)\n")
         print("| variant | step-0 mean \\|d\\| | signed | fell | held-out |\n|---|---|---|---|---|")
         for v, c in a["variants"].items():
-            n = len(c["seeds"])
-            print(f"| {v} | {fmt(sum(c['step0_abs']) / n, '.3e')} | "
-                  f"{fmt(sum(c['step0_signed']) / n, '+.2e')} | {c['fell']} of {n} | "
-                  f"{fmt(c['mean'], '.4f')} +- {fmt(c['se'], '.4f')} ({n}) |")
+            print(f"| {v} | {columns(c)} |")
         if a["contrasts"]:
             print_contrasts(a["contrasts"])
         for pair, r in a["step0_ratios"].items():
@@ -134,14 +131,8 @@ def figure(out):
     cells = [c for a in out["arms"].values() for c in a["variants"].values()]
     top = max(x for c in cells for x in c["step0_abs"]) or 1.0
     for ax, (arm, a) in zip(axes, out["arms"].items()):
-        for i, (v, c) in enumerate(a["variants"].items()):
-            sizes = [12 + 120 * x / top for x in c["step0_abs"]]
-            ax.scatter([i] * len(c["heldout"]), c["heldout"], s=sizes, color=COLORS.get(v),
-                       alpha=0.8)
-        ax.axhline(FELL, color="k", lw=0.6, ls=":")
-        ax.set_xticks(range(len(a["variants"])), list(a["variants"]), rotation=15, fontsize=7)
-        ax.set_title(f"{arm}: held-out after 40 updates; dot size: step-0 mean |d|", fontsize=8)
-        ax.grid(alpha=0.3)
+        draw_cells(ax, a["variants"], top,
+                   f"{arm}: held-out after 40 updates; dot size: step-0 mean |d|", fontsize=8)
     machine_title(fig, out["machine"])
     return fig
 

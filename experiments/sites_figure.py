@@ -120,10 +120,7 @@ def print_read(out):
     for v, c in out["variants"].items():
         rec = VARIANTS[v]
         engine = rec.library or ("_C, AMX hidden" if rec.hide_amx else "the chip's own")
-        n = len(c["seeds"])
-        print(f"| {v} | {engine} | {rec.site_rounding} | {fmt(sum(c['step0_abs']) / n, '.3e')} "
-              f"| {fmt(sum(c['step0_signed']) / n, '+.2e')} | {c['fell']} of {n} | "
-              f"{fmt(c['mean'], '.4f')} +- {fmt(c['se'], '.4f')} ({n}) |")
+        print(f"| {v} | {engine} | {rec.site_rounding} | {columns(c)} |")
     if out["contrasts"]:
         print_contrasts(out["contrasts"])
     print("\ngrowth of mean |d| before each fall (its largest on the rows before the fall's "
@@ -141,19 +138,29 @@ def print_read(out):
               f"of {o['zero_mean'][1]}; Fisher's exact one-sided p {o['p_fisher_one_sided']:.4f}")
     print(f"\n{out['machine']}")
 
-def figure(out):
-    fig, ax = plt.subplots(figsize=(8, 3.8))
-    cells = out["variants"]
-    top = max(x for c in cells.values() for x in c["step0_abs"]) or 1.0
+def columns(c):
+    """A cell's step-0 mean |d| and signed mean (over seeds), falls and held-out: table columns."""
+    n = len(c["seeds"])
+    return (f"{fmt(sum(c['step0_abs']) / n, '.3e')} | {fmt(sum(c['step0_signed']) / n, '+.2e')} "
+            f"| {c['fell']} of {n} | {fmt(c['mean'], '.4f')} +- {fmt(c['se'], '.4f')} ({n})")
+
+def draw_cells(ax, cells, top, title, fontsize=9):
+    """One panel: each run's held-out by variant, a dot sized by its step-0 mean |d| over top."""
     for i, (v, c) in enumerate(cells.items()):
         sizes = [12 + 120 * x / top for x in c["step0_abs"]]
         ax.scatter([i] * len(c["heldout"]), c["heldout"], s=sizes, color=COLORS.get(v),
                    alpha=0.8)
     ax.axhline(FELL, color="k", lw=0.6, ls=":")
     ax.set_xticks(range(len(cells)), list(cells), rotation=15, fontsize=7)
-    ax.set_title(f"{out['arm']}: held-out accuracy after 40 updates, a dot a run, its size the "
-                 "run's step-0 mean |d|", fontsize=9)
+    ax.set_title(title, fontsize=fontsize)
     ax.grid(alpha=0.3)
+
+def figure(out):
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    cells = out["variants"]
+    top = max(x for c in cells.values() for x in c["step0_abs"]) or 1.0
+    draw_cells(ax, cells, top, f"{out['arm']}: held-out accuracy after 40 updates, a dot a run, "
+               "its size the run's step-0 mean |d|")
     machine_title(fig, out["machine"])
     return fig
 
