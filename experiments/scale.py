@@ -97,11 +97,23 @@ def warm_starts(path, seeds):
               f"{row['larger_minus_smaller']:+.4f} | {'yes' if row['reaches'] else 'no'} |")
     return out
 
+def reaches(path, seed):
+    """Whether seed's larger warm start reached the smaller's held-out (warm_starts' readings),
+    or None where they are not both read."""
+    r = [load(os.path.join(path, "scale", f"warmstart-{a}-s{seed}.json")) for a in (SMALL, LARGE)]
+    return None if None in r else r[1]["accuracy"] >= r[0]["accuracy"]
+
 def read(path, seeds):
+    """The two arms' cells and contrasts; the larger's runs of a seed whose warm start fell
+    short of the smaller's are left out (scale.md), and the seeds not yet checked named."""
     runs, where = load_experiment(path, seeds, [SMALL, LARGE], dial=False)
+    ran = {s for cell in runs.get(LARGE, {}).values() for s, _, _ in cell}
+    checked = {s: reaches(path, s) for s in sorted(ran)}
+    for v, cell in runs.get(LARGE, {}).items():
+        runs[LARGE][v] = [run for run in cell if checked[run[0]] is not False]
     arms = {}
     for arm in (a for a in (SMALL, LARGE) if a in runs):
-        found = runs[arm]
+        found = {v: cell for v, cell in runs[arm].items() if cell}
         cells = {v: cell_of(found[v]) for v in ORDER if v in found}
         tests = [{"a": a, "b": b, **d} for a, b in CONTRASTS if a in cells and b in cells
                  if (d := paired_seeds(cells[a], cells[b], "heldout"))]
@@ -110,7 +122,7 @@ def read(path, seeds):
         arms[arm] = {"variants": cells, "contrasts": tests, "step0_ratios": step0_ratios(cells)}
     if not any(a["variants"] for a in arms.values()):
         refuse(f"{path} holds no finished run of plan scale's variants on {SMALL} or {LARGE}")
-    return {"machine": where, "fell_below": FELL, "arms": arms}
+    return {"machine": where, "fell_below": FELL, "arms": arms, "warm_start_reaches": checked}
 
 def print_read(out):
     for arm, a in out["arms"].items():
@@ -124,6 +136,11 @@ def print_read(out):
         for pair, r in a["step0_ratios"].items():
             print(f"step-0 mean |d|, {pair}, seed by seed: mean {r['mean']:.2f}x, "
                   f"{r['range'][0]:.2f}x to {r['range'][1]:.2f}x (n = {len(r['seeds'])})")
+    checked = out["warm_start_reaches"]
+    print(f"\n{LARGE}'s warm start reached the smaller's: seeds "
+          f"{[s for s, ok in checked.items() if ok]}; fell short, left out: "
+          f"{[s for s, ok in checked.items() if ok is False]}; not read: "
+          f"{[s for s, ok in checked.items() if ok is None]}")
     print(f"\n{out['machine']}")
 
 def figure(out):

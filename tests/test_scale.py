@@ -62,6 +62,21 @@ def test_the_table_by_hand_each_arm_its_own_family(tmp_path, capsys):
     assert "bf16-trunc / bf16-noamx, seed by seed: mean 1.00x, 1.00x to 1.00x (n = 3)" in printed
 
 
+def test_a_seed_whose_larger_warm_start_fell_short_is_left_out_and_unread_seeds_are_named(tmp_path, capsys):
+    root = folder(str(tmp_path))
+    os.makedirs(os.path.join(root, "scale"))
+    for arm, seed, acc in (("gspo-engine", 0, 0.92), ("gspo-engine-x8", 0, 0.93),
+                           ("gspo-engine", 1, 0.92), ("gspo-engine-x8", 1, 0.91)):  # seed 1 short
+        json.dump({"accuracy": acc}, open(os.path.join(root, "scale", f"warmstart-{arm}-s{seed}.json"), "w"))
+    out = scale.read(root, None)
+    assert out["warm_start_reaches"] == {0: True, 1: False, 2: None}
+    large = out["arms"]["gspo-engine-x8"]["variants"]
+    assert large["bf16-trunc"]["seeds"] == [0, 2] and large["bf16-trunc"]["fell"] == 0  # seed 1's fall out
+    assert out["arms"]["gspo-engine"]["variants"]["bf16-trunc"]["seeds"] == [0, 1, 2]  # the smaller: all
+    scale.print_read(out)
+    assert "reached the smaller's: seeds [0]; fell short, left out: [1]; not read: [2]" in capsys.readouterr().out
+
+
 def test_the_smaller_arm_reads_alone_and_a_folder_without_the_plans_variants_is_refused(tmp_path):
     root = folder(str(tmp_path))
     for name in os.listdir(root):
