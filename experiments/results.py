@@ -195,6 +195,15 @@ def paired_seeds(a, b, key):
     values = [[c[key][c["seeds"].index(s)] for s in both] for c in (a, b)]
     return {"seeds": both, **paired(*values)}
 
+def holm_contrasts(cells, pairs, key="heldout"):
+    """Each (a, b) of pairs with both cells present: a minus b paired by seed (paired_seeds),
+    and Holm's p over those present, one table's family."""
+    tests = [{"a": a, "b": b, **d} for a, b in pairs if a in cells and b in cells
+             if (d := paired_seeds(cells[a], cells[b], key))]
+    for t, p in zip(tests, holm([t["p_sign_flip"] for t in tests])):
+        t["p_holm"], t["tests_in_table"] = p, len(tests)
+    return tests
+
 def summarize(cells, summary):
     """Each cell's mean and s.e. of the summary's figures, and each minus bf16 by seed."""
     for v, cell in cells.items():

@@ -30,9 +30,9 @@ import sys
 import matplotlib.pyplot as plt
 
 from causal import FELL, print_contrasts
-from common import HERE, holm, load, refuse, write_json
+from common import HERE, load, refuse, write_json
 from plans import PLANS
-from results import load_experiment, machine_title, paired_seeds, parse_runs
+from results import holm_contrasts, load_experiment, machine_title, parse_runs
 from results import runs_parser, save
 from sites_figure import cell_of, columns, draw_cells
 from variants import ARMS
@@ -86,7 +86,7 @@ def warm_starts(path, seeds):
             row[arm] = {"checkpoint": ckpt, "parameters": params, "accuracy": r["accuracy"],
                         "se": r["se"]}
         gap = row[LARGE]["accuracy"] - row[SMALL]["accuracy"]
-        out[f"s{seed}"] = {**row, "larger_minus_smaller": gap, "reaches": gap >= 0}
+        out[f"s{seed}"] = {**row, "larger_minus_smaller": gap, "reaches": reaches(path, seed)}
     print(f"\nwarm starts' held-out accuracy (fp32 engine), {SMALL} | {LARGE}\n")
     print("| seed | parameters | smaller | larger | larger - smaller | reaches |")
     print("|---|---|---|---|---|---|")
@@ -115,10 +115,7 @@ def read(path, seeds):
     for arm in (a for a in (SMALL, LARGE) if a in runs):
         found = {v: cell for v, cell in runs[arm].items() if cell}
         cells = {v: cell_of(found[v]) for v in ORDER if v in found}
-        tests = [{"a": a, "b": b, **d} for a, b in CONTRASTS if a in cells and b in cells
-                 if (d := paired_seeds(cells[a], cells[b], "heldout"))]
-        for t, p in zip(tests, holm([t["p_sign_flip"] for t in tests])):
-            t["p_holm"], t["tests_in_table"] = p, len(tests)
+        tests = holm_contrasts(cells, CONTRASTS)
         arms[arm] = {"variants": cells, "contrasts": tests, "step0_ratios": step0_ratios(cells)}
     if not any(a["variants"] for a in arms.values()):
         refuse(f"{path} holds no finished run of plan scale's variants on {SMALL} or {LARGE}")

@@ -39,9 +39,9 @@ import os
 import matplotlib.pyplot as plt
 
 from causal import FELL, growth_before_fall, print_contrasts
-from common import fmt, holm, load_json, mean_se, refuse
+from common import fmt, load_json, mean_se, refuse
 from plans import PLANS
-from results import (COLORS, load_experiment, machine_title, paired_seeds, parse_runs,
+from results import (COLORS, holm_contrasts, load_experiment, machine_title, parse_runs,
                      runs_parser, save)
 from variants import SITE_ROUNDING as MODES, TRUNCATING, VARIANTS
 
@@ -73,10 +73,7 @@ def read(path, seeds, arm=ARM):
     cells = {v: cell_of(found[v]) for v in ORDER if v in found}
     if not cells:
         refuse(f"{path} holds no {arm} run of plan sites")
-    tests = [{"a": v, "b": c, **d} for v in cells if (c := control_of(v)) in cells
-             if (d := paired_seeds(cells[v], cells[c], "heldout"))]
-    for t, p in zip(tests, holm([t["p_sign_flip"] for t in tests])):
-        t["p_holm"], t["tests_in_table"] = p, len(tests)
+    tests = holm_contrasts(cells, [(v, control_of(v)) for v in cells])
     return {"machine": where, "arm": arm, "fell_below": FELL, "variants": cells,
             "contrasts": tests, "overlap": overlap(cells)}
 

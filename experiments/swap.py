@@ -32,8 +32,8 @@ import os
 import matplotlib.pyplot as plt
 
 from causal import FELL, print_contrasts
-from common import fmt, holm, mean_se, refuse
-from results import (COLORS, curve, load_experiment, machine_title, paired_seeds,
+from common import fmt, mean_se, refuse
+from results import (COLORS, curve, holm_contrasts, load_experiment, machine_title,
                      parse_runs, runs_parser, save)
 from variants import LATE_SWAP, SWAP_STEP, SWAPS
 
@@ -99,10 +99,7 @@ def read(path, seeds, step=SWAP_STEP):
     runs = runs.get(ARM, {})
     stops = {at: at_swap(path, seeds, at) for at in {SWAP_STEP, step}}
     cells = cells_of(runs, stops, step)
-    tests = [{"a": a, "b": b, **d} for a, b in contrasts(step) if a in cells and b in cells
-             if (d := paired_seeds(cells[a], cells[b], "heldout"))]
-    for t, p in zip(tests, holm([t["p_sign_flip"] for t in tests])):
-        t["p_holm"], t["tests_in_table"] = p, len(tests)
+    tests = holm_contrasts(cells, contrasts(step))
     factors = {}
     for v in (v for v in SWAPS if v in order(step) and v in runs):
         before, _, at = SWAPS[v]
