@@ -19,7 +19,8 @@ Then the runs, their table and figure:
 Per arm and variant (plan scale's): the step-0 mean |log mu - log pi| and signed mean over
 seeds, the runs that fell (held-out below causal.FELL), held-out mean +- s.e. (n); then
 CONTRASTS paired by seed (95 % t interval, exact sign-flip p), Holm over each arm's own: the
-larger GPT's are the pre-registered family (scale.md). The figure: a panel per arm, each
+larger GPT's are the pre-registered family (scale.md); then each fall's growth of the mismatch
+on the rows before its step (sites_figure.print_growth). The figure: a panel per arm, each
 seed's held-out by variant, a dot sized by that run's step-0 mean |d|.
 Page: experiments/scale.md.
 """
@@ -34,7 +35,7 @@ from common import HERE, load, refuse, write_json
 from plans import PLANS
 from results import holm_contrasts, load_experiment, machine_title, parse_runs
 from results import runs_parser, save
-from sites_figure import cell_of, columns, draw_cells
+from sites_figure import cell_of, columns, draw_cells, print_growth
 from variants import ARMS
 
 SMALL, LARGE = "gspo-engine", PLANS["scale"][0][0]
@@ -130,6 +131,7 @@ def print_read(out):
             print(f"| {v} | {columns(c)} |")
         if a["contrasts"]:
             print_contrasts(a["contrasts"])
+        print_growth(a["variants"])
         for pair, r in a["step0_ratios"].items():
             print(f"step-0 mean |d|, {pair}, seed by seed: mean {r['mean']:.2f}x, "
                   f"{r['range'][0]:.2f}x to {r['range'][1]:.2f}x (n = {len(r['seeds'])})")

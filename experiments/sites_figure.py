@@ -120,13 +120,7 @@ def print_read(out):
         print(f"| {v} | {engine} | {rec.site_rounding} | {columns(c)} |")
     if out["contrasts"]:
         print_contrasts(out["contrasts"])
-    print("\ngrowth of mean |d| before each fall (its largest on the rows before the fall's "
-          "step, over step 0's; step)")
-    for v, c in out["variants"].items():
-        falls = [f"s{s}: {g[1]:.1f}x (step {g[0]})" for s, g in
-                 zip(c["seeds"], c["growth_before_fall"]) if g and g[1] and
-                 c["heldout"][c["seeds"].index(s)] < FELL]
-        print(f"  {v}: {', '.join(falls) or 'no fall'}")
+    print_growth(out["variants"])
     o = out["overlap"]
     if o:
         print(f"\nexploratory, at the same step-0 size ({o['window'][0]:.3e} to "
@@ -134,6 +128,20 @@ def print_read(out):
               f"{o['one_signed'][0]} of {o['one_signed'][1]}, zero-mean in {o['zero_mean'][0]} "
               f"of {o['zero_mean'][1]}; Fisher's exact one-sided p {o['p_fisher_one_sided']:.4f}")
     print(f"\n{out['machine']}")
+
+def print_growth(cells):
+    """Each fallen run's growth of mean |d| on the rows before its fall's step (cell_of's); the
+    runs whose batch reward fell below FELL but whose held-out did not, named."""
+    print("\ngrowth of mean |d| before each fall (its largest on the rows before the fall's "
+          "step, over step 0's; step)")
+    for v, c in cells.items():
+        falls = [f"s{s}: {g[1]:.1f}x (step {g[0]})" for s, g, h in
+                 zip(c["seeds"], c["growth_before_fall"], c["heldout"])
+                 if g and g[1] and h < FELL]
+        dips = [f"s{s} (step {g[0]})" for s, g, h in
+                zip(c["seeds"], c["growth_before_fall"], c["heldout"]) if g and h >= FELL]
+        back = f"; a batch's reward below {FELL}, held: {', '.join(dips)}" if dips else ""
+        print(f"  {v}: {', '.join(falls) or 'no fall'}{back}")
 
 def columns(c):
     """A cell's step-0 mean |d| and signed mean (over seeds), falls and held-out: table columns."""

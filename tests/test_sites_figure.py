@@ -107,3 +107,15 @@ def test_fisher_and_the_overlap_by_hand():
     apart = {"bf16-noamx": {"step0_abs": [1e-4, 2e-4], "heldout": [0.9, 0.9]},
              "bf16-noamx-site-trunc": {"step0_abs": [3e-4, 4e-4], "heldout": [0.9, 0.9]}}
     assert sites_figure.overlap(apart) is None  # no size both kinds ran at
+
+
+def test_growth_names_the_falls_and_the_dips_that_held(capsys):
+    """A fallen run shows its growth; a run whose batch reward fell below 0.5 but whose held-out
+    did not is named apart; a run that never dipped, neither."""
+    cells = {"bf16-noamx-site-trunc": {"seeds": [0, 1, 2], "heldout": [0.2, 0.9, 0.95],
+                                       "growth_before_fall": [(3, 4.0), (7, 2.5), None]},
+             "bf16-noamx": {"seeds": [0], "heldout": [0.9], "growth_before_fall": [None]}}
+    sites_figure.print_growth(cells)
+    lines = capsys.readouterr().out.splitlines()
+    assert "  bf16-noamx-site-trunc: s0: 4.0x (step 3); a batch's reward below 0.5, held: s1 (step 7)" in lines
+    assert "  bf16-noamx: no fall" in lines
