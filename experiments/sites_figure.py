@@ -135,11 +135,10 @@ def print_growth(cells):
     print("\ngrowth of mean |d| before each fall (its largest on the rows before the fall's "
           "step, over step 0's; step)")
     for v, c in cells.items():
-        falls = [f"s{s}: {g[1]:.1f}x (step {g[0]})" for s, g, h in
-                 zip(c["seeds"], c["growth_before_fall"], c["heldout"])
+        runs = list(zip(c["seeds"], c["growth_before_fall"], c["heldout"]))
+        falls = [f"s{s}: {g[1]:.1f}x (step {g[0]})" for s, g, h in runs
                  if g and g[1] and h < FELL]
-        dips = [f"s{s} (step {g[0]})" for s, g, h in
-                zip(c["seeds"], c["growth_before_fall"], c["heldout"]) if g and h >= FELL]
+        dips = [f"s{s} (step {g[0]})" for s, g, h in runs if g and h >= FELL]
         back = f"; a batch's reward below {FELL}, held: {', '.join(dips)}" if dips else ""
         print(f"  {v}: {', '.join(falls) or 'no fall'}{back}")
 
