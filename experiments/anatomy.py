@@ -73,12 +73,17 @@ def fit_temperature(d, h, mask):
 
     def fit(keep):
         return 1.0 + float(dh[keep].sum() / hh[keep].sum())
+    tau, ci95 = jackknife(fit, len(d))
+    return {"tau": tau, "ci95": ci95}
 
-    folds = torch.arange(len(d)) % FOLDS
-    leave = np.array([fit(folds != f) for f in range(FOLDS)])
+def jackknife(stat, n):
+    """stat(keep) over all n sequences, and its 95 % jackknife interval: FOLDS groups
+    (sequence i in group i % FOLDS), each left out in turn."""
+    folds = torch.arange(n) % FOLDS
+    leave = np.array([stat(folds != f) for f in range(FOLDS)])
     se = math.sqrt((FOLDS - 1) / FOLDS * ((leave - leave.mean()) ** 2).sum())
-    tau, half = fit(torch.ones(len(d), dtype=torch.bool)), t_quantile(FOLDS - 1) * se
-    return {"tau": tau, "ci95": [tau - half, tau + half]}
+    x, half = stat(torch.ones(n, dtype=torch.bool)), t_quantile(FOLDS - 1) * se
+    return x, [x - half, x + half]
 
 def lag1(d, mask):
     """The correlation of d at neighbouring response positions, over every pair."""

@@ -22,9 +22,9 @@ prompts, as token ids: its export has no tokenizer). On identical tokens:
   6. the vLLM kernel library this process loaded and its float32 -> 16-bit rounding at each
      op (rounding.py's probe; vLLM's CPU kernels only);
   7. one line of verdict.
-The length test: the per-sequence mean of d's variance over what i.i.d. tokens would give
-(token variance / length). Near 1 the error averages out along a sequence; above 1 it does
-not (a per-sequence offset, or errors correlated along it).
+The length test: the variance of the sequences' means of d over what i.i.d. tokens would give
+(each sequence's own token variance / its length). Near 1 the error averages out along a
+sequence; above 1 it does not (a per-sequence offset, or errors correlated along it).
 Refuses, one line and exit 2, before any work: a folder that is not a model, an architecture
 vLLM or transformers cannot load, a dtype this machine's vLLM cannot run, prompts longer than
 the context, a clip window that is not a window. On a GPU the same calls run (the op probe is
@@ -200,12 +200,22 @@ def signed_over_sequences(d, mask):
     return {"mean": m, "ci95": [m - half, m + half]}
 
 def length_test(d, mask):
-    """The per-sequence mean's variance against i.i.d. tokens' (token variance / length)."""
+    """The variance of the sequences' means of d over what i.i.d. tokens would give: each
+    sequence's own token variance over its length, averaged (so sequences of unequal length
+    and spread are each predicted by their own), with a 95 % jackknife interval over
+    anatomy.FOLDS groups of sequences. Sequences of one token have no spread: left out."""
     n = mask.sum(1).double()
-    per_seq = (d * mask).sum(1).double() / n
-    iid = (d[mask.bool()].double().var() / n).mean().item()
-    observed = per_seq.var().item()
-    return {"seq_mean_var": observed, "iid_var": iid, "ratio": observed / iid}
+    keep = n >= 2
+    d, m, n = d[keep].double(), mask[keep].double(), n[keep]
+    mean = (d * m).sum(1) / n
+    own = ((d - mean[:, None]) ** 2 * m).sum(1) / (n - 1)  # ddof 1, about its own mean
+    iid = own / n  # var(mean of n i.i.d. tokens) = sigma^2 / n, for this sequence
+
+    def ratio(keep):
+        return float(mean[keep].var() / iid[keep].mean())
+    r, ci95 = anatomy.jackknife(ratio, len(mean))
+    return {"sequences": len(mean), "seq_mean_var": mean.var().item(),
+            "iid_var": iid.mean().item(), "ratio": r, "ci95": ci95}
 
 def dashboards(mu, pi, mask):
     """The same tokens under the names dashboards show, computed as each framework does."""
@@ -322,11 +332,12 @@ def print_meter(r):
     print(f"identical tokens: {r['sequences']} sequences, {r['tokens']} response tokens "
           f"(sha1 {r['tokens_sha1']}), sampled by the float32 engine\n\n"
           "| mean \\|d\\| | signed mean d [95 % CI over sequences] | tau [95 % CI] | lag-1 | "
-          "length test: spread / i.i.d. | outside the clip: tokens; sequences measured, "
+          "length test: spread / i.i.d. [95 % CI] | outside the clip: tokens; sequences measured, "
           "noise alone, bias alone |\n|---|---|---|---|---|---|")
     print(f"| {r['logp_abs_mean']:.3e} | {s['mean']:+.3e} [{s['ci95'][0]:+.2e}, "
           f"{s['ci95'][1]:+.2e}] | {t['tau']:.5f} [{t['ci95'][0]:.5f}, {t['ci95'][1]:.5f}] | "
-          f"{r['lag1_correlation']:+.3f} | {L['ratio']:.2f} | {w['tokens_outside']:.3f}; "
+          f"{r['lag1_correlation']:+.3f} | {L['ratio']:.2f} [{L['ci95'][0]:.2f}, "
+          f"{L['ci95'][1]:.2f}] | {w['tokens_outside']:.3f}; "
           f"{w['outside']:.3f}, {w['outside_noise_alone']:.3f}, "
           f"{w['outside_bias_alone']:.0f} (clip {w['clip'][0]:g}, {w['clip'][1]:g}) |")
     print("\nsigned mean d by bucket of pi [95 % CI over sequences] (tokens): " + "; ".join(
