@@ -44,7 +44,7 @@ from offline import (base_parser, heldout_prompts, parse, prefill, sample, setup
 # caches the first engine's compilation config for the whole process, so that engine needs a
 # process of its own, and the same tokens would have to come from a file.
 VARIANTS = ("bf16", "fp16")  # each on the kernels vLLM's loader picked for this chip
-FOLDS = 16  # the jackknife's groups of sequences, for tau's interval
+FOLDS = 16  # the jackknife's groups of sequences, for tau's and the length test's intervals
 
 def by_bucket(d, pi, mask):
     """The signed mean of d per bucket of pi, with a t interval over sequences."""
@@ -90,6 +90,24 @@ def lag1(d, mask):
     both = (mask[:, 1:] * mask[:, :-1]).bool()
     a, b = d[:, :-1][both].double().numpy(), d[:, 1:][both].double().numpy()
     return float(np.corrcoef(a, b)[0, 1])
+
+def length_test(d, mask):
+    """The variance of the sequences' means of d over what i.i.d. tokens would give: each
+    sequence's own token variance over its length, averaged (so sequences of unequal length
+    and spread are each predicted by their own), with a 95 % jackknife interval over
+    FOLDS groups of sequences. Sequences of one token have no spread: left out."""
+    n = mask.sum(1).double()
+    keep = n >= 2
+    d, m, n = d[keep].double(), mask[keep].double(), n[keep]
+    mean = (d * m).sum(1) / n
+    own = ((d - mean[:, None]) ** 2 * m).sum(1) / (n - 1)  # ddof 1, about its own mean
+    iid = own / n  # var(mean of n i.i.d. tokens) = sigma^2 / n, for this sequence
+
+    def ratio(keep):
+        return float(mean[keep].var() / iid[keep].mean())
+    r, ci95 = jackknife(ratio, len(mean))
+    return {"sequences": len(mean), "seq_mean_var": mean.var().item(),
+            "iid_var": iid.mean().item(), "ratio": r, "ci95": ci95}
 
 def window(d, mask, clip=GSPO_CLIP):
     """GSPO's first-update log-ratio per sequence against its clip: the share outside."""

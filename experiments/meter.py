@@ -14,8 +14,8 @@ prompts, as token ids: its export has no tokenizer). On identical tokens:
      scores them (pi): transformers, or --trainer project (this project's model.py, as its
      runs train it);
   3. with d = log mu - log pi a token: mean |d|, the signed mean with a 95 % t interval over
-     sequences, by bucket of pi, the temperature fit, the lag-1 correlation (anatomy.py's
-     functions), the length test (below), the shares outside the clip window;
+     sequences, by bucket of pi, the temperature fit, the lag-1 correlation, the length
+     test (below; anatomy.py's functions), the shares outside the clip window;
   4. the same tokens under the names dashboards show, computed as verl, TRL and NeMo RL do;
   5. where the trainer's own error enters: each layer's output in --dtype against float32
      (RMS of the difference over RMS), and the first layer past --layer-threshold;
@@ -199,24 +199,6 @@ def signed_over_sequences(d, mask):
     half = common.t_quantile(len(per_seq) - 1) * se
     return {"mean": m, "ci95": [m - half, m + half]}
 
-def length_test(d, mask):
-    """The variance of the sequences' means of d over what i.i.d. tokens would give: each
-    sequence's own token variance over its length, averaged (so sequences of unequal length
-    and spread are each predicted by their own), with a 95 % jackknife interval over
-    anatomy.FOLDS groups of sequences. Sequences of one token have no spread: left out."""
-    n = mask.sum(1).double()
-    keep = n >= 2
-    d, m, n = d[keep].double(), mask[keep].double(), n[keep]
-    mean = (d * m).sum(1) / n
-    own = ((d - mean[:, None]) ** 2 * m).sum(1) / (n - 1)  # ddof 1, about its own mean
-    iid = own / n  # var(mean of n i.i.d. tokens) = sigma^2 / n, for this sequence
-
-    def ratio(keep):
-        return float(mean[keep].var() / iid[keep].mean())
-    r, ci95 = anatomy.jackknife(ratio, len(mean))
-    return {"sequences": len(mean), "seq_mean_var": mean.var().item(),
-            "iid_var": iid.mean().item(), "ratio": r, "ci95": ci95}
-
 def dashboards(mu, pi, mask):
     """The same tokens under the names dashboards show, computed as each framework does."""
     m = mask.float()
@@ -291,7 +273,7 @@ def measure(args, config, prompts, engine=None):
             "signed_over_sequences": signed_over_sequences(d, mask),
             "by_pi": anatomy.by_bucket(d, pi.exp(), mask),
             "tau": anatomy.fit_temperature(d, h, mask),
-            "lag1_correlation": anatomy.lag1(d, mask), "length_test": length_test(d, mask),
+            "lag1_correlation": anatomy.lag1(d, mask), "length_test": anatomy.length_test(d, mask),
             "window": clip_shares(d, mask, args.clip), "dashboards": dashboards(mu, pi, mask),
             "layers": layers, "layer_threshold": threshold,
             "first_layer_past": first_past(layers, threshold)}

@@ -49,35 +49,6 @@ def test_on_this_projects_export_the_meter_is_the_anatomy(engine):
         assert shared == ours["gspo_window"]
 
 
-def test_the_length_test_by_hand():
-    """Each sequence predicted by its own token variance over its length: means 2, 2, 5 (their
-    variance 3) against (2/2 + 12/3 + (20/3)/4) / 3 = 20/9, ratio 1.35; one token left out."""
-    rows = [[1, 3], [0, 0, 6], [5], [4, 6, 8, 2]]
-    d, mask = torch.zeros(4, 4), torch.zeros(4, 4)
-    for i, row in enumerate(rows):
-        d[i, :len(row)], mask[i, :len(row)] = torch.tensor(row, dtype=torch.float), 1
-    L = meter.length_test(d, mask)
-    assert L["sequences"] == 3 and L["seq_mean_var"] == pytest.approx(3)
-    assert L["iid_var"] == pytest.approx(20 / 9) and L["ratio"] == pytest.approx(1.35)
-
-
-def test_the_length_test_reads_1_for_independent_tokens_above_1_for_an_offset():
-    """Independent tokens whose spread grows with their sequence's length (2 to 64 tokens): the
-    interval holds 1, where one pooled token variance would predict too much for the short
-    sequences and read about 0.3. A per-sequence offset of the tokens' size: above 1."""
-    g = torch.Generator().manual_seed(0)
-    n = torch.randint(2, 65, (4096,), generator=g)
-    mask = (torch.arange(64) < n[:, None]).float()
-    noise = torch.randn(4096, 64, generator=g) * n[:, None] / 32 * mask
-    L = meter.length_test(noise, mask)
-    assert L["ci95"][0] < 1 < L["ci95"][1] and abs(L["ratio"] - 1) < 0.1
-    pooled = noise[mask.bool()].var() / n.double()
-    per_seq = (noise.sum(1) / n).var()
-    assert per_seq / pooled.mean() < 0.4  # the pooled prediction's reading, for contrast
-    offset = torch.randn(4096, 1, generator=g) * mask
-    assert meter.length_test(noise + offset, mask)["ci95"][0] > 1
-
-
 def test_on_a_qwen2_it_measures_what_it_says(qwen, qwen_result):
     """Another architecture: the sampled tokens scored by both sides, TRL's mean |log-ratio| the
     meter's own mean |d| (two computations, one quantity), NeMo RL's k3 verl's, a row per layer
