@@ -33,12 +33,11 @@ import torch
 
 import common
 import rounding
-import sites
 from common import PI_EDGES, t_quantile
 from grpo import GSPO_CLIP
 from instruments import buckets, machine
-from offline import (base_parser, heldout_prompts, parse, prefill, sample, setup,
-                     trainer_logprobs)
+from offline import (base_parser, heldout_prompts, install_kernels, kernel_flags, parse,
+                     prefill, sample, setup, trainer_logprobs)
 
 # The rotary embedding on torch (custom_ops "-rotary_embedding") is not a variant here: vLLM
 # caches the first engine's compilation config for the whole process, so that engine needs a
@@ -123,9 +122,7 @@ def window(d, mask, clip=GSPO_CLIP):
 
 def anatomy(args, engine=None):
     """Every variant's figures on the fp32 engine's samples (the module docstring)."""
-    library = rounding.load(args.library, amx=not args.hide_amx)  # before any engine
-    if args.site_rounding != "rne":  # the bf16 trainer's, at the two sites: this process's
-        sites.install(args.site_rounding)
+    library = install_kernels(args)  # before any engine: one configuration a process
     ckpt, model, device, get_engine = setup(args, engine)
     prompts = heldout_prompts(args)
     samples, idx, mask, _, _ = sample(get_engine("fp32"), prompts, args.group_size, args, device)
@@ -197,11 +194,7 @@ def main(argv=None, engine=None):
     p = base_parser("the anatomy of the mismatch on identical tokens (the docstring)")
     p.add_argument("--along", nargs="+", default=None,
                    help="print these results' table (a run's policies), measure nothing")
-    p.add_argument("--library", choices=list(rounding.LIBRARIES), default=None,
-                   help="vLLM's kernels from this library (default: the one vLLM picks)")
-    p.add_argument("--hide-amx", action="store_true", help="the library's kernels without AMX")
-    p.add_argument("--site-rounding", default="rne", choices=sites.MODES,
-                   help="the bf16 trainer's rounding at the rotary and attention (sites.py)")
+    kernel_flags(p)
     args = parse(p, argv)
     rounding.refuse_unrunnable(args.library, args.hide_amx)
     if args.along:

@@ -15,6 +15,13 @@ K vectors of each kind are kept; their Gram matrices give every figure and its i
 With --dial-doses: the bf16 trainer on the engine's kernels (no mismatch of its own) against
 a bf16 engine perturbed by the mismatch dial (dial.py) at each dose: the prediction for the
 dial's runs, committed before them (dial_figure.py draws it beside them).
+With --loss gspo-engine: the same figures for gspo-engine's first update (GSPO, pi_old = mu),
+d its gradient with pi_old = mu less its gradient with pi_old = pi (every ratio 1, nothing
+clipped). With --variant: that bf16 variant's kernels alone (its library, AMX, the trainer's
+site rounding; variants.py's record; one a process), e.g. the sites' (sites-audit.md):
+
+    python experiments/audit.py --loss gspo-engine --variant bf16-noamx-site-trunc \
+        --json results/MACHINE/sites/audit/bf16-noamx-site-trunc-s0.json
 """
 import json
 import math
@@ -28,12 +35,18 @@ import task
 from common import fmt, t_quantile
 from instruments import machine
 from model import token_logprobs
-from offline import DTYPES, base_parser, mismatch_metrics, parse, rl_args, setup
-from variants import DIAL_SHAPES
+from grpo import grpo_loss, loss_norm
+from offline import (DTYPES, base_parser, install_kernels, mismatch_metrics, parse, rl_args,
+                     setup)
+from variants import BF16, DIAL_SHAPES, VARIANTS, runs_on
 from precision import get_precision
 from rollout import start_engine
 from train_grpo import rollout  # the loop's step 1: a run's own batches
 from warm_start import model_config
+
+# The variants --variant takes: bf16 whose record differs from bf16's in its kernels alone
+KERNEL_VARIANTS = [v.name for v in VARIANTS.values() if v.flags == BF16 and not (
+    v.dial or v.swap or v.rotary_torch)]
 
 def audit_losses(logp, pi_logp, mu_logp, adv, mask, n_tokens):
     """On samples from mu: GRPO's J = sum_i A_i sum_t log pi(y_it) / N_tokens and the
@@ -43,6 +56,17 @@ def audit_losses(logp, pi_logp, mu_logp, adv, mask, n_tokens):
     w = torch.exp(((pi_logp - mu_logp) * mask).sum(1)).detach()
     per_seq = (logp * mask).sum(1)
     return (adv * per_seq).sum() / n_tokens, ((1 - w) * adv * per_seq).sum() / n_tokens, w
+
+def gspo_audit_losses(logp, pi_logp, batch, budget):
+    """gspo-engine's first update (the loop's grpo_loss, GSPO): J with pi_old = mu, as its
+    runs take it, and with pi_old = pi, where every ratio is 1 and nothing clips. The ratio's
+    value comes from the trainer in its dtype (pi_logp), its gradient through the float32
+    logp, so d holds the mismatch alone. Returns (J_pi, J_bias = J_mu - J_pi, clipped)."""
+    through = logp - logp.detach() + pi_logp  # value pi_logp, gradient logp's
+    norm = loss_norm(batch.mask, "gspo", False, budget)
+    loss_mu, parts = grpo_loss(through, batch.mu_logp, batch, norm, "gspo", bypass=True)
+    loss_pi, _ = grpo_loss(through, pi_logp, batch, norm, "gspo")
+    return -loss_pi, loss_pi - loss_mu, parts["clipped"]
 
 def bias_statistics(G_dd, G_gg, G_dg):
     """From the K x K Gram matrices of the per-batch bias vectors d_k and gradients g_k
@@ -105,15 +129,18 @@ def jackknife(G_dd, G_gg, G_dg):
 
 def audit(args, engine=None):
     """The audit's rows: per dtype, or per dose of the dial (the module docstring)."""
+    library = install_kernels(args)  # before any engine: one configuration a process
     ckpt, model, device, get_engine = setup(args, engine)
     train_batch = task.make_splits(args.seed, args.n_items, task.N_EVAL)[1]
     rows = []
-    for name in () if args.dial_doses else DTYPES:
+    for name in () if args.dial_doses else args.dtypes:
         prec, llm = get_precision(name, device=device), get_engine(name)
         rows.append({"dtype": name, **audit_row(model, prec, llm, train_batch, args, device)})
     if args.dial_doses:
         rows = dial_rows(ckpt, model, train_batch, args, device)
     result = {"experiment": "audit", "checkpoint": ckpt, "machine": machine(),
+              "loss": args.loss, "variant": args.variant, "kernel_library": library,
+              "amx_hidden": args.hide_amx, "site_rounding": args.site_rounding,
               "max_new_tokens": args.max_new_tokens,
               "sequences_per_batch": args.batch_size * args.group_size, "rows": rows}
     print_audit(result)
@@ -146,17 +173,22 @@ def audit_row(model, prec, llm, train_batch, args, device):
         with torch.no_grad():  # the trainer's pi, in the run's dtype
             pi = token_logprobs(prec.logits_fn(model), b.idx)
         logp = token_logprobs(model, b.idx)  # float32: d holds the mismatch alone
-        J, J_bias, w = audit_losses(logp, pi, b.mu_logp, b.adv, b.mask, b.mask.sum())
+        if args.loss == "gspo-engine":  # dev: the share of sequences the clip drops
+            J, J_bias, clipped = gspo_audit_losses(logp, pi, b, args.max_new_tokens)
+            dev.append(clipped.double().mean().item())
+        else:  # dev: the sequences' mean |w - 1|
+            J, J_bias, w = audit_losses(logp, pi, b.mu_logp, b.adv, b.mask, b.mask.sum())
+            dev.append((w - 1).abs().mean().item())
         grad = torch.autograd.grad(J, params, retain_graph=True)
         gs.append(torch.cat([x.flatten() for x in grad]).double())
         ds.append(torch.cat([x.flatten() for x in torch.autograd.grad(J_bias, params)]).double())
-        dev.append((w - 1).abs().mean().item())
         metrics = mismatch_metrics(b.mu_logp, pi, b.mask)
         k3.append((metrics["mismatch_k3"], metrics["mismatch_logp_abs_mean"]))
     # float64 Gram matrices: the pairwise products are small differences
     G, D = torch.stack(gs), torch.stack(ds)
     stats = jackknife(D @ D.T, G @ G.T, D @ G.T)
-    return {"batches": args.batches, **stats, "seq_weight_abs_dev": sum(dev) / len(dev),
+    dev_name = "clipped_share" if args.loss == "gspo-engine" else "seq_weight_abs_dev"
+    return {"batches": args.batches, **stats, dev_name: sum(dev) / len(dev),
             "mismatch_k3": sum(x for x, _ in k3) / len(k3),
             "mismatch_logp_abs_mean": sum(y for _, y in k3) / len(k3)}
 
@@ -164,8 +196,10 @@ def ci(r, k):  # a figure's interval, or "-" where it has none
     return f"[{fmt(r[k + '_ci'][0])}, {fmt(r[k + '_ci'][1])}]" if k + "_ci" in r else "-"
 
 def print_audit(result):
-    print(f"\ngradient-bias audit on {result['checkpoint']}: {result['rows'][0]['batches']} "
-          f"batches x {result['sequences_per_batch']} sequences per dtype\n"
+    print(f"\ngradient-bias audit ({result.get('loss', 'grpo')}) on {result['checkpoint']}: "
+          f"{result['rows'][0]['batches']} batches x {result['sequences_per_batch']} sequences "
+          f"per dtype; variant {result.get('variant')}, library {result.get('kernel_library')}, "
+          f"AMX hidden {result.get('amx_hidden')}, site rounding {result.get('site_rounding')}\n"
           f"{common.machine_line(result['machine'])}\n95 % jackknife intervals over batches, "
           "each figure's own; a bias is resolved when the interval of |b|^2 excludes 0\n")
     print(f"{'dtype':5} {'|b|':>7} {'[95% CI]':>19} {'sigma':>6} {'|b|/sigma':>9} "
@@ -188,7 +222,16 @@ def main(argv=None, engine=None):
                    help="the mismatch dial's doses (dial.py), instead of the dtypes")
     p.add_argument("--dial-shape", default="uniform", choices=DIAL_SHAPES)
     p.add_argument("--dial-calibration", default=None, help="--dial-doses: dial.py's JSON")
+    p.add_argument("--loss", choices=("grpo", "gspo-engine"), default="grpo",
+                   help="whose first update's bias: GRPO's IS bias, or GSPO's with pi_old = mu")
+    p.add_argument("--variant", choices=KERNEL_VARIANTS, default=None,
+                   help="bf16 with this variant's kernels (variants.py), not every dtype")
     args = parse(p, argv)
+    v = VARIANTS[args.variant] if args.variant else None
+    if v and not runs_on(v, machine()["cpu_isa"]):
+        common.refuse(f"--variant {v.name}: not on this chip (needs {v.needs}, lacks {v.lacks})")
+    args.library, args.hide_amx = (v.library, v.hide_amx) if v else (None, False)
+    args.site_rounding, args.dtypes = (v.site_rounding, ["bf16"]) if v else ("rne", DTYPES)
     if args.dial_doses and not (args.dial_calibration and os.path.isfile(args.dial_calibration)):
         common.refuse("--dial-doses needs --dial-calibration FILE (experiments/dial.py calibrate)")
     return common.finish(args, audit(args, engine))

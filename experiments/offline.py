@@ -14,6 +14,8 @@ import time
 import torch
 
 import common
+import rounding
+import sites
 import task
 from common import at_least, parser
 from instruments import pi_buckets, prefill_logprobs
@@ -137,3 +139,20 @@ def parse(p, argv):
         common.refuse(f"--init: {e}")
     common.writable(args.json)
     return args
+
+def kernel_flags(p):
+    """The engine's kernel library and the bf16 trainer's rounding at the two sites: one of
+    each a process, so each experiment that takes them runs once per configuration."""
+    p.add_argument("--library", choices=list(rounding.LIBRARIES), default=None,
+                   help="vLLM's kernels from this library (default: the one vLLM picks)")
+    p.add_argument("--hide-amx", action="store_true", help="the library's kernels without AMX")
+    p.add_argument("--site-rounding", default="rne", choices=sites.MODES,
+                   help="the bf16 trainer's rounding at the rotary and attention (sites.py)")
+
+def install_kernels(args):
+    """Before any engine starts: vLLM's library (rounding.load; it returns the one loaded)
+    and the trainer's site rounding (sites.install; rne: the trainer as it is)."""
+    library = rounding.load(args.library, amx=not args.hide_amx)
+    if args.site_rounding != "rne":
+        sites.install(args.site_rounding)
+    return library

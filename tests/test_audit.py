@@ -8,6 +8,9 @@ import torch
 
 import audit
 import common
+from grpo import Batch
+from instruments import machine
+from variants import VARIANTS, runs_on
 
 # Two sequences of three response tokens; the second one's last token is padding.
 MASK = torch.tensor([[1., 1., 1.], [1., 1., 0.]])
@@ -25,6 +28,27 @@ def test_audit_bias_gradient_equals_the_direct_formula():
     assert torch.allclose(d, torch.tensor([[-0.5, -0.5, -0.5], [-0.5, -0.5, 0.]]) / 5)
     g_is = torch.autograd.grad(((w * ADV) * (logp * MASK).sum(1)).sum() / 5, logp)[0]
     assert torch.allclose(g - g_is, d)
+
+
+def test_gspo_bias_gradient_by_hand():
+    """gspo-engine's first update: with pi_old = pi every ratio is 1; with pi_old = mu, sequence 1
+    (A = +1, mean log pi/mu = 1e-3 > log 1.0004) is clipped and drops out, sequence 2 (A = -1,
+    1e-4, inside the window) keeps its ratio r. GSPO's loss is sum_i -min(r_i A_i, clip) / N, so
+    d = grad(J_mu - J_pi) is -1/(3 N) on sequence 1's tokens and (1 - r) / (2 N) on sequence 2's;
+    the ratio's value is the 16-bit pi's, its gradient the float32 logp's."""
+    logp = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.4, 0.4, 0.9]])).requires_grad_()
+    pi = logp.detach() + 0.01  # the trainer in 16 bits: another value, no gradient of its own
+    mu = pi - torch.tensor([[1e-3, 1e-3, 1e-3], [1e-4, 1e-4, 5.0]])  # the padding's 5.0: not counted
+    batch = Batch(None, MASK, mu, ADV, {})
+    J, J_bias, clipped = audit.gspo_audit_losses(logp, pi, batch, budget=3)
+    assert clipped.flatten().tolist() == [True, False]
+    r = math.exp(1e-4)
+    d = torch.autograd.grad(J_bias, logp, retain_graph=True)[0]
+    assert torch.allclose(d, torch.tensor([[-1 / 6] * 3, [(1 - r) / 4, (1 - r) / 4, 0]]))
+    g = torch.autograd.grad(J, logp)[0]
+    assert torch.allclose(g, torch.tensor([[1 / 6] * 3, [-1 / 4, -1 / 4, 0]]))
+    same = Batch(None, MASK, pi, ADV, {})  # no mismatch: d is 0
+    assert audit.gspo_audit_losses(logp, pi, same, budget=3)[1].item() == 0
 
 
 def test_bias_statistics_by_hand():
@@ -69,3 +93,23 @@ def test_audit_measures_bias_where_the_mismatch_is(engine, varied_reward):
     assert dev["bf16"] > dev["fp16"] > 100 * dev["fp32"], dev
     assert rows["bf16"]["mismatch_logp_abs_mean"] > rows["fp16"]["mismatch_logp_abs_mean"]
     assert not rows["fp32"]["resolved"] or rows["fp32"]["bias_norm"] < 1e-4 * math.sqrt(rows["fp32"]["sigma2"])
+
+
+def test_the_gspo_audit_sees_the_clip_drop_sequences_in_bf16_none_in_fp32(engine, varied_reward):
+    """gspo-engine's first update on the tiny warm start: bf16's mismatch puts sequences outside GSPO's
+    window (the clip drops them), fp32's ~1e-8 none, and fp32's bias is negligible."""
+    result = audit.main(["--loss", "gspo-engine", "--group-size", "4", "--batches", "5",
+                         "--batch-size", "8"], engine)
+    rows = {r["dtype"]: r for r in result["rows"]}
+    assert result["loss"] == "gspo-engine" and rows["fp32"]["clipped_share"] == 0
+    assert rows["bf16"]["clipped_share"] > 0
+    assert not rows["fp32"]["resolved"] or rows["fp32"]["bias_norm"] < 1e-4 * math.sqrt(rows["fp32"]["sigma2"])
+
+
+def test_a_variant_this_chip_cannot_run_is_refused_in_one_line(capsys):
+    """--variant takes variants.py's record; one this chip's ISA cannot run: exit 2, one line."""
+    isa = machine()["cpu_isa"]
+    name = next(n for n in audit.KERNEL_VARIANTS if not runs_on(VARIANTS[n], isa))
+    with pytest.raises(SystemExit) as e:
+        audit.main(["--variant", name, "--loss", "gspo-engine"])
+    assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
