@@ -1,0 +1,165 @@
+"""
+experiments/sites_audit.py: what GSPO's first update does with each variant's mismatch, beside
+its falls. It reads audit.py --loss gspo-engine --variant V's JSONs ($M/sites/audit/V-sS.json,
+the loop on sites-audit.md) and the gspo-engine runs of those variants and seeds:
+
+    python experiments/sites_audit.py $M --out figures/sites-audit-intel-amx.png
+
+Per audit (a variant at a seed's warm start): |b| / sigma and its two parts, each over sigma,
+from the pairwise estimates (audit.bias_statistics): along E g, b_dot_eg / |E g| (negative: the
+step shrinks), and across it, sqrt(b2 - along^2) (the step turns; 0 where the estimate is
+negative); the share of sequences the clip dropped; and whether that seed's run fell.
+Per variant: the means over the seeds audited (whole seeds only: every variant audited), and
+whether it fell in 3 or more of its runs' seeds. sites-audit.md's tests: does |b| / sigma, and
+does the part across, rank the variants that fell above those that held (exact p: the share of
+the C(n, k) ways to pick k of n whose rank sum is at least the fallen ones'; with the fallen on
+top, 1 / C(n, k)), Holm over the two; and within a seed, the share of (fell, held) pairs whose
+fallen run has the larger part across, its p from DRAWS permutations of the labels within each
+seed (seeded: a Monte Carlo p). The figure: each audit's parts, along and across, a dot a run,
+filled where the run fell. Page: experiments/sites-audit.md.
+"""
+import glob
+import itertools
+import math
+import os
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from causal import FELL
+from common import holm, load_json, refuse
+from results import COLORS, machine_title, parse_runs, runs_parser, save
+from sites_figure import read
+
+FELL_OF_8 = 3  # a variant "fell" where at least this many of its runs did (sites-audit.md)
+DRAWS = 20_000  # the within-seed test's permutations
+TAB10 = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
+         "tab:gray", "tab:olive", "tab:cyan"]
+
+def parts(row):
+    """|b| / sigma, and its parts along E g and across it, over sigma."""
+    sigma = math.sqrt(row["sigma2"])
+    along = row["b_dot_eg"] / math.sqrt(row["eg2"]) if row["eg2"] > 0 else 0.0
+    across = math.sqrt(max(row["b2"] - along ** 2, 0.0))
+    return {"bias_over_noise": row["bias_over_noise"], "along": along / sigma,
+            "across": across / sigma, "clipped_share": row["clipped_share"],
+            "mismatch": row["mismatch_logp_abs_mean"], "resolved": row["resolved"]}
+
+def read_audits(path, only=None):
+    """{variant: {seed: parts}}, for the seeds every variant has (whole seeds only; of
+    `only`, where given)."""
+    audits = {}
+    for f in sorted(glob.glob(os.path.join(path, "sites", "audit", "*.json"))):
+        r = load_json(f, "audit.py --loss gspo-engine --variant V --json F")
+        seed = int(os.path.basename(f)[:-5].rsplit("-s", 1)[1])
+        if r.get("loss") == "gspo-engine" and r.get("variant") and seed in (only or [seed]):
+            audits.setdefault(r["variant"], {})[seed] = parts(r["rows"][0])
+    if not audits:
+        refuse(f"{path}/sites/audit/ holds no audit.py --loss gspo-engine --variant result")
+    seeds = sorted(set.intersection(*(set(a) for a in audits.values())))
+    return {v: {s: a[s] for s in seeds} for v, a in audits.items()}, seeds
+
+def rank_p(values, fell):
+    """P(the fallen ones' rank sum >= observed) over every choice of k of n, ranks by value."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    rank = {i: r for r, i in enumerate(order)}
+    seen = sum(rank[i] for i, f in enumerate(fell) if f)
+    picks = list(itertools.combinations(range(len(values)), sum(fell)))
+    return sum(sum(c) >= seen for c in picks) / len(picks)
+
+def within_seed(runs, rng):
+    """runs: [(seed, fell, across)]: the share of same-seed (fell, held) pairs where the fallen
+    run's part across is larger (ties a half), and its permutation p (labels within seeds)."""
+    def share(labels):
+        wins = pairs = 0
+        for s in {r[0] for r in runs}:
+            here = [(f, a) for (seed, _, a), f in zip(runs, labels) if seed == s]
+            for (fa, a), (fb, b) in itertools.product(here, here):
+                if fa and not fb:
+                    pairs, wins = pairs + 1, wins + (a > b) + 0.5 * (a == b)
+        return wins / pairs if pairs else None
+    labels = [f for _, f, _ in runs]
+    seen = share(labels)
+    if seen is None:
+        return None, None
+    by_seed = {s: [i for i, r in enumerate(runs) if r[0] == s] for s in {r[0] for r in runs}}
+    hits = 0
+    for _ in range(DRAWS):
+        perm = list(labels)
+        for idx in by_seed.values():
+            for i, j in zip(idx, rng.permutation(idx)):
+                perm[i] = labels[j]
+        hits += share(perm) >= seen
+    return seen, (1 + hits) / (1 + DRAWS)
+
+def analyse(path, only=None):
+    audits, seeds = read_audits(path, only)
+    every = read(path, None)  # every seed's runs: a variant's falls are over all its seeds
+    runs = every["variants"]
+    missing = [v for v in audits if v not in runs]
+    if missing:
+        refuse(f"{path}: no gspo-engine runs of {missing[0]}")
+    cells = {}
+    for v, by_seed in audits.items():
+        fell = dict(zip(runs[v]["seeds"], (h < FELL for h in runs[v]["heldout"])))
+        means = {k: float(np.mean([p[k] for p in by_seed.values()]))
+                 for k in ("bias_over_noise", "along", "across", "clipped_share", "mismatch")}
+        cells[v] = {**means, "fell": sum(fell.values()), "runs": len(fell),
+                    "per_seed": {s: {**p, "fell": fell.get(s)} for s, p in by_seed.items()}}
+    fallen = [c["fell"] >= FELL_OF_8 for c in cells.values()]
+    ps = [rank_p([c[k] for c in cells.values()], fallen) for k in ("bias_over_noise", "across")]
+    pairs = [(s, p["fell"], p["across"]) for c in cells.values()
+             for s, p in c["per_seed"].items() if p["fell"] is not None]
+    share, p3 = within_seed(pairs, np.random.default_rng(0))
+    return {"seeds": seeds, "variants": cells, "fell_of_8": FELL_OF_8,
+            "rank_p": {"bias_over_noise": ps[0], "across": ps[1]}, "holm": holm(ps),
+            "within_seed": {"share": share, "p_monte_carlo": p3, "draws": DRAWS},
+            "machine": every["machine"]}
+
+def print_read(out):
+    print(f"\ngspo-engine's first update, seeds {out['seeds']} (means over them); fell: its runs "
+          f"below {FELL} of all its seeds\n")
+    print("| variant | fell | mean \\|d\\| | clipped | \\|b\\| / sigma | along / sigma | "
+          "across / sigma |\n|---|---|---|---|---|---|---|")
+    for v, c in sorted(out["variants"].items(), key=lambda kv: -kv[1]["across"]):
+        print(f"| {v} | {c['fell']} of {c['runs']} | {c['mismatch']:.3e} | "
+              f"{c['clipped_share']:.4f} | {c['bias_over_noise']:.3f} | {c['along']:+.3f} | "
+              f"{c['across']:.3f} |")
+    (k1, p1), (k2, p2) = out["rank_p"].items()
+    h1, h2 = out["holm"]
+    w = out["within_seed"]
+    print(f"\nthe fallen variants (at least {out['fell_of_8']} runs fell) ranked by {k1}: exact p "
+          f"{p1:.4f} (Holm {h1:.4f}); by {k2}: {p2:.4f} (Holm {h2:.4f})")
+    if w["share"] is not None:
+        print(f"within a seed, (fell, held) pairs where the fallen run's part across is larger: "
+              f"{w['share']:.3f}; Monte Carlo p {w['p_monte_carlo']:.4f} ({w['draws']} draws)")
+    print(f"\n{out['machine']}")
+
+def figure(out):
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    taken = {COLORS.get(v) for v in out["variants"]}
+    free = iter(c for c in TAB10 if c not in taken)  # the site variants have no colour of their own
+    for v, c in out["variants"].items():
+        color = COLORS.get(v) or next(free, "k")
+        for s, p in c["per_seed"].items():
+            ax.scatter(p["along"], p["across"], s=36, edgecolors=color,
+                       facecolors=color if p["fell"] else "none")
+        ax.scatter([], [], color=color, label=f"{v} ({c['fell']} of {c['runs']} fell)")
+    ax.axvline(0, color="k", lw=0.6, ls=":")
+    ax.set_xlabel("bias along E g / sigma (below 0: the first step shrinks)")
+    ax.set_ylabel("bias across E g / sigma (the step turns)")
+    ax.set_title("gspo-engine's first update, a dot a run (filled: the run fell)", fontsize=9)
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.grid(alpha=0.3)
+    machine_title(fig, out["machine"])
+    return fig
+
+def main(argv=None):
+    p = runs_parser("the sites' variants audited at GSPO's first update (the docstring)")
+    args = parse_runs(p, argv)
+    out = analyse(args.path, args.seeds)
+    print_read(out)
+    save(figure(out), args.out, out)
+
+if __name__ == "__main__":
+    main()
