@@ -15,8 +15,10 @@ does the part across, rank the variants that fell above those that held (exact p
 the C(n, k) ways to pick k of n whose rank sum is at least the fallen ones'; with the fallen on
 top, 1 / C(n, k)), Holm over the two; and within a seed, the share of (fell, held) pairs whose
 fallen run has the larger part across, its p from DRAWS permutations of the labels within each
-seed (seeded: a Monte Carlo p). The figure: each audit's parts, along and across, a dot a run,
-filled where the run fell. Page: experiments/sites-audit.md.
+seed (seeded: a Monte Carlo p). Exploratory, added after the audits: Spearman's rho of the part
+across with the variants' mean |d| (does it track the size?), and the within-seed test with the
+audit's mean |d| in place of the part across. The figure: each audit's parts,
+along and across, a dot a run, filled where the run fell. Page: experiments/sites-audit.md.
 """
 import glob
 import itertools
@@ -92,6 +94,9 @@ def within_seed(runs, rng):
         hits += share(perm) >= seen
     return seen, (1 + hits) / (1 + DRAWS)
 
+def spearman(x, y):  # the rank correlation (no ties among these floats)
+    return float(np.corrcoef(np.argsort(np.argsort(x)), np.argsort(np.argsort(y)))[0, 1])
+
 def analyse(path, only=None):
     audits, seeds = read_audits(path, only)
     every = read(path, None)  # every seed's runs: a variant's falls are over all its seeds
@@ -111,7 +116,13 @@ def analyse(path, only=None):
     pairs = [(s, p["fell"], p["across"]) for c in cells.values()
              for s, p in c["per_seed"].items() if p["fell"] is not None]
     share, p3 = within_seed(pairs, np.random.default_rng(0))
+    rho = spearman(*([c[k] for c in cells.values()] for k in ("across", "mismatch")))
+    by_size = [(s, p["fell"], p["mismatch"]) for c in cells.values()
+               for s, p in c["per_seed"].items() if p["fell"] is not None]
+    size_share, size_p = within_seed(by_size, np.random.default_rng(0))
     return {"seeds": seeds, "variants": cells, "fell_of_8": FELL_OF_8,
+            "exploratory_spearman_across_mismatch": rho,
+            "exploratory_within_seed_mismatch": {"share": size_share, "p_monte_carlo": size_p},
             "rank_p": {"bias_over_noise": ps[0], "across": ps[1]}, "holm": holm(ps),
             "within_seed": {"share": share, "p_monte_carlo": p3, "draws": DRAWS},
             "machine": every["machine"]}
@@ -133,6 +144,11 @@ def print_read(out):
     if w["share"] is not None:
         print(f"within a seed, (fell, held) pairs where the fallen run's part across is larger: "
               f"{w['share']:.3f}; Monte Carlo p {w['p_monte_carlo']:.4f} ({w['draws']} draws)")
+    size = out["exploratory_within_seed_mismatch"]
+    print(f"exploratory, after the audits: Spearman's rho of the part across with the mean |d| "
+          f"over the variants, {out['exploratory_spearman_across_mismatch']:+.3f}; the within-seed "
+          f"share with the mean |d| in its place, {size['share']:.3f} (Monte Carlo p "
+          f"{size['p_monte_carlo']:.4f})")
     print(f"\n{out['machine']}")
 
 def figure(out):
