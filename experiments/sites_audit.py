@@ -143,12 +143,12 @@ def print_read(out):
           f"{p1:.4f} (Holm {h1:.4f}); by {k2}: {p2:.4f} (Holm {h2:.4f})")
     if w["share"] is not None:
         print(f"within a seed, (fell, held) pairs where the fallen run's part across is larger: "
-              f"{w['share']:.3f}; Monte Carlo p {w['p_monte_carlo']:.4f} ({w['draws']} draws)")
+              f"{w['share']:.3f}; Monte Carlo p {w['p_monte_carlo']:.2g} ({w['draws']} draws)")
     size = out["exploratory_within_seed_mismatch"]
     print(f"exploratory, after the audits: Spearman's rho of the part across with the mean |d| "
           f"over the variants, {out['exploratory_spearman_across_mismatch']:+.3f}; the within-seed "
           f"share with the mean |d| in its place, {size['share']:.3f} (Monte Carlo p "
-          f"{size['p_monte_carlo']:.4f})")
+          f"{size['p_monte_carlo']:.2g})")
     print(f"\n{out['machine']}")
 
 def figure(out):
