@@ -70,8 +70,8 @@ def rank_p(values, fell):
     return sum(sum(c) >= seen for c in picks) / len(picks)
 
 def within_seed(runs, rng):
-    """runs: [(seed, fell, across)]: the share of same-seed (fell, held) pairs where the fallen
-    run's part across is larger (ties a half), and its permutation p (labels within seeds)."""
+    """runs: [(seed, fell, value)]: the share of same-seed (fell, held) pairs where the fallen
+    run's value is larger (ties a half), and its permutation p (labels within seeds)."""
     def share(labels):
         wins = pairs = 0
         for s in {r[0] for r in runs}:
@@ -97,6 +97,10 @@ def within_seed(runs, rng):
 def spearman(x, y):  # the rank correlation (no ties among these floats)
     return float(np.corrcoef(np.argsort(np.argsort(x)), np.argsort(np.argsort(y)))[0, 1])
 
+def per_run(cells, key):  # [(seed, fell, value)] of every audited run with a run to read
+    return [(s, p["fell"], p[key]) for c in cells.values() for s, p in c["per_seed"].items()
+            if p["fell"] is not None]
+
 def analyse(path, only=None):
     audits, seeds = read_audits(path, only)
     every = read(path, None)  # every seed's runs: a variant's falls are over all its seeds
@@ -113,13 +117,9 @@ def analyse(path, only=None):
                     "per_seed": {s: {**p, "fell": fell.get(s)} for s, p in by_seed.items()}}
     fallen = [c["fell"] >= FELL_OF_8 for c in cells.values()]
     ps = [rank_p([c[k] for c in cells.values()], fallen) for k in ("bias_over_noise", "across")]
-    pairs = [(s, p["fell"], p["across"]) for c in cells.values()
-             for s, p in c["per_seed"].items() if p["fell"] is not None]
-    share, p3 = within_seed(pairs, np.random.default_rng(0))
+    share, p3 = within_seed(per_run(cells, "across"), np.random.default_rng(0))
     rho = spearman(*([c[k] for c in cells.values()] for k in ("across", "mismatch")))
-    by_size = [(s, p["fell"], p["mismatch"]) for c in cells.values()
-               for s, p in c["per_seed"].items() if p["fell"] is not None]
-    size_share, size_p = within_seed(by_size, np.random.default_rng(0))
+    size_share, size_p = within_seed(per_run(cells, "mismatch"), np.random.default_rng(0))
     return {"seeds": seeds, "variants": cells, "fell_of_8": FELL_OF_8,
             "exploratory_spearman_across_mismatch": rho,
             "exploratory_within_seed_mismatch": {"share": size_share, "p_monte_carlo": size_p},
