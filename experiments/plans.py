@@ -8,8 +8,8 @@ ARM-VARIANT-sSEED.
 No torch here: the figures read these names too. Add a plan here (a variant in variants.py)
 and the campaign runs it; results go to results/<machine>/ (campaign.py).
 """
-from variants import (ARMS, DIAL_DOSES, LATE_SWAP, LENGTH_ITEMS, PROBED, SITE_MODES, SWAP_STEP,
-                      SWAPS, VARIANTS, parse_run, runs_on)
+from variants import (ARMS, DIAL_DOSES, LATE_SWAP, LENGTH_ITEMS, PROBED, SITE_MODES, SITE_SWAPS,
+                      LIBRARY_SWAPS, SWAP_STEP, SWAPS, VARIANTS, parse_run, runs_on)
 
 EVERY_FIX = ["fp16", "bf16", "fp32", "bf16-head32", "bf16-engine32",
              "bf16-aligned"]
@@ -86,7 +86,7 @@ PLANS["dial-structure"] = [
 BEFORE = list(dict.fromkeys(b for b, _, _ in SWAPS.values()))
 PLANS["swap-stops"] = [("gspo-engine", BEFORE)]
 for _plan, _step in (("swap", SWAP_STEP), ("swap-late", LATE_SWAP)):
-    PLANS[_plan] = [("gspo-engine", [v for v, s in SWAPS.items() if s[2] == _step])]
+    PLANS[_plan] = [("gspo-engine", [v for v in LIBRARY_SWAPS if SWAPS[v][2] == _step])]
 
 # Size or sign (sites.md): the trainer's rounding at the two sites, gspo-engine, each chip its
 # part. Where the engine rounds (AMX hidden): the control, then truncation, away from zero and the
@@ -100,6 +100,9 @@ PLANS["sites"] = [("gspo-engine", ["bf16-noamx", *(f"bf16-noamx-site-{m}" for m 
 # Then grpo for the variants that fell in gspo-engine (sites.md), five seeds, with their control.
 PLANS["sites-grpo"] = [("grpo", ["bf16-noamx", "bf16-noamx-site-trunc", "bf16-noamx-site-away",
                                 "bf16-trunc", "bf16-trunc-site-rne6"])]
+# The trainer's side swapped in bf16-trunc's dip (sites-swap.md): from the same stops as plan
+# swap's (--plan swap-stops --stop-after 10), the trainer truncating like its engine or at rne6.
+PLANS["sites-swap"] = [("gspo-engine", SITE_SWAPS)]
 # Scale (scale.md): the headline contrast and the cheap fix on a GPT eight times larger, five
 # seeds: the truncating library forced first, then its rounding control, the cheap fix, and the
 # aligned trainer; a seed's four runs before the next seed's.

@@ -15,6 +15,13 @@ The same swaps later (variants.LATE_SWAP), read beside the first:
     python experiments/swap.py $M --step 20 --seeds 0 1 2 3 4 5 6 7 \
         --out figures/swap-20-intel-amx.png
 
+The trainer's site rounding swapped instead, the engine kept (variants.SITE_SWAPS, from
+bf16-trunc's same stops; page: experiments/sites-swap.md):
+
+    python experiments/campaign.py --plan sites-swap --seeds 0 1 2 3 4 5 6 7
+    python experiments/swap.py $M --swaps site --seeds 0 1 2 3 4 5 6 7 \
+        --out figures/sites-swap-intel-amx.png
+
 Per variant: n, held-out accuracy mean +- s.e. (ddof 1), the runs
 that fell (below causal.FELL), and each seed's held-out at the swap
 (the stop's, in $M/stepN/). Then contrasts() paired by seed: mean,
@@ -35,41 +42,49 @@ from causal import FELL, print_contrasts
 from common import fmt, mean_se, refuse
 from results import (COLORS, curve, holm_contrasts, load_experiment, machine_title,
                      parse_runs, runs_parser, save)
-from variants import LATE_SWAP, SWAP_STEP, SWAPS
+from variants import LATE_SWAP, LIBRARY_SWAPS, SITE_SWAPS, SWAP_STEP, SWAPS
 
 ARM = "gspo-engine"
 FIRST = ["bf16-noamx", "bf16-noamx-to-trunc", "bf16-trunc", "bf16-trunc-to-noamx"]
-# A swap in its before side's colour: dashed at SWAP_STEP, dotted later
-STYLE = {v: (COLORS[b], "--" if at == SWAP_STEP else ":") for v, (b, _, at) in SWAPS.items()}
+# --swaps: which swaps are read together, and the table's rows at SWAP_STEP. The trainer's
+# site rounding swapped in bf16-trunc's dip (sites-swap.md) beside its after sides run from
+# the start; the engine's rescue (bf16-trunc-to-noamx) a row, outside its contrasts.
+SETS = {"library": (LIBRARY_SWAPS, FIRST),
+        "site": (SITE_SWAPS, ["bf16-trunc", "bf16-trunc-to-site-trunc", "bf16-trunc-site-trunc",
+                              "bf16-trunc-to-site-rne6", "bf16-trunc-site-rne6",
+                              "bf16-trunc-to-noamx"])}
+# A swap in its own colour, else its before side's: dashed at SWAP_STEP, dotted later
+STYLE = {v: (COLORS.get(v) or COLORS[b], "--" if at == SWAP_STEP else ":")
+         for v, (b, _, at) in SWAPS.items()}
 
 def at_step(first, step):
     """The swap with the same sides as a first swap, at `step`."""
     sides = SWAPS[first][:2]
     return next(v for v, (b, a, at) in SWAPS.items() if (b, a) == sides and at == step)
 
-def order(step):
-    """The variants read at a swap step: the first four, and after
+def order(step, swaps="library"):
+    """The variants read at a swap step: the set's rows, and after
     each first swap its later one (at LATE_SWAP)."""
     later = step != SWAP_STEP
-    return [x for v in FIRST
+    return [x for v in SETS[swaps][1]
             for x in [v] + ([at_step(v, step)] if v in SWAPS and later else [])]
 
-def contrasts(step):
+def contrasts(step, swaps="library"):
     """Each swap against its before side (what the swap changed), then
     against its after side (what the updates before it left); a later
     swap against the first one too (what waiting changed)."""
-    first = [v for v, (_, _, at) in SWAPS.items() if at == SWAP_STEP]
+    first = [v for v in SETS[swaps][0] if SWAPS[v][2] == SWAP_STEP]
     sides = [(at_step(v, step), SWAPS[v][side]) for side in (0, 1) for v in first]
     return sides + [(at_step(v, step), v) for v in first if step != SWAP_STEP]
 
-def at_swap(path, seeds, step):
+def at_swap(path, seeds, step, swaps="library"):
     """{variant: {seed: held-out}} of the stops after `step` updates."""
     stops = os.path.join(path, f"step{step}")
     if not os.path.isdir(stops):
         return {}
     runs, _ = load_experiment(stops, seeds, [ARM], dial=False)
     return {v: {s: f["heldout"] for s, _, f in runs[ARM].get(v, [])}
-            for v in FIRST if v in runs.get(ARM, {})}
+            for v in SETS[swaps][1] if v in runs.get(ARM, {})}
 
 def factor(swapped, twin, step):
     """On update `step`, the swapped run's mean |d| over its twin's, by seed."""
@@ -77,11 +92,11 @@ def factor(swapped, twin, step):
     return {s: rows[step][key] / twins[s][step][key]
             for s, rows, _ in swapped if s in twins}
 
-def cells_of(runs, stops, step):
+def cells_of(runs, stops, step, swaps):
     """Per variant: seeds, held-out, falls, the reward curve; the
     held-out at its swap (a swap's before side's stop; else at step)."""
     cells = {}
-    for v in (v for v in order(step) if v in runs):
+    for v in (v for v in order(step, swaps) if v in runs):
         seeds = sorted(runs[v], key=lambda r: r[0])
         held = [f["heldout"] for _, _, f in seeds]
         m, se = mean_se(held)
@@ -93,15 +108,15 @@ def cells_of(runs, stops, step):
                     "reward": curve(seeds, "reward_mean")}
     return cells
 
-def read(path, seeds, step=SWAP_STEP):
+def read(path, seeds, step=SWAP_STEP, swaps="library"):
     """The table, the contrasts (Holm over those present) and the factors."""
     runs, where = load_experiment(path, seeds, [ARM], dial=False)
     runs = runs.get(ARM, {})
-    stops = {at: at_swap(path, seeds, at) for at in {SWAP_STEP, step}}
-    cells = cells_of(runs, stops, step)
-    tests = holm_contrasts(cells, contrasts(step))
+    stops = {at: at_swap(path, seeds, at, swaps) for at in {SWAP_STEP, step}}
+    cells = cells_of(runs, stops, step, swaps)
+    tests = holm_contrasts(cells, contrasts(step, swaps))
     factors = {}
-    for v in (v for v in SWAPS if v in order(step) and v in runs):
+    for v in (v for v in SWAPS if v in order(step, swaps) and v in runs):
         before, _, at = SWAPS[v]
         if before in runs:
             by_seed = factor(runs[v], runs[before], at)
@@ -134,11 +149,12 @@ def print_read(out):
 def figure(out):
     """The reward by update, mean +- s.e.; each run's held-out."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
-    cells = out["variants"]
+    cells, colors = out["variants"], {}  # a line's colour (the cycle's where a record has none)
     for v, c in cells.items():
         color, ls = STYLE.get(v, (COLORS.get(v), "-"))
         x, m, se = (c["reward"][k] for k in ("x", "mean", "se"))
-        left.plot(x, m, ls, color=color, label=f"{v} ({len(c['seeds'])})")
+        line, = left.plot(x, m, ls, color=color, label=f"{v} ({len(c['seeds'])})")
+        colors[v] = color = line.get_color()
         lo, hi = [a - b for a, b in zip(m, se)], [a + b for a, b in zip(m, se)]
         left.fill_between(x, lo, hi, color=color, alpha=0.15)
     for step in sorted({SWAP_STEP, out["swap_step"]}):
@@ -148,8 +164,7 @@ def figure(out):
     left.set_title("training reward, mean +- s.e. over seeds", fontsize=9)
     left.legend(fontsize=7)
     for i, (v, c) in enumerate(cells.items()):
-        right.scatter([i] * len(c["heldout"]), c["heldout"], s=18,
-                      color=STYLE.get(v, (COLORS.get(v),))[0])
+        right.scatter([i] * len(c["heldout"]), c["heldout"], s=18, color=colors[v])
     right.axhline(FELL, color="k", lw=0.6, ls=":")
     right.set_xticks(range(len(cells)), list(cells), rotation=15, fontsize=7)
     right.set_title("held-out accuracy after 40 updates, a dot a run", fontsize=9)
@@ -162,10 +177,14 @@ def main(argv=None):
     p = runs_parser("the swap: a library changed after SWAP_STEP updates")
     p.add_argument("--step", type=int, default=SWAP_STEP, choices=[SWAP_STEP, LATE_SWAP],
                    help="read the swaps at this update (variants.LATE_SWAP: beside the first)")
+    p.add_argument("--swaps", default="library", choices=list(SETS),
+                   help="the engine's library swapped, or the trainer's site rounding")
     args = parse_runs(p, argv)
     if args.arms not in (None, [ARM]):
         refuse(f"--arms: the swap has one arm, {ARM} (variants.SWAPS)")
-    out = read(args.path, args.seeds, args.step)
+    if args.swaps == "site" and args.step != SWAP_STEP:
+        refuse(f"--swaps site: its swaps are at update {SWAP_STEP} alone, not --step {args.step}")
+    out = read(args.path, args.seeds, args.step, args.swaps)
     print_read(out)
     save(figure(out), args.out, out)
 

@@ -127,13 +127,21 @@ for _shape in DIAL_SHAPES:
 SWAP_STEP = 10  # in the falling runs' dip (anatomy.md)
 LATE_SWAP = 20  # the same swaps later
 SWAPS = {}  # swap variant: (before, after, the update it swaps at)
-for _step, _suffix in ((SWAP_STEP, ""), (LATE_SWAP, f"-at{LATE_SWAP}")):
-    for _before, _after, _short in (("bf16-trunc", "bf16-noamx", "noamx"),
-                                    ("bf16-noamx", "bf16-trunc", "trunc")):
-        _a = VARIANTS[_after]  # the after side's flags and kernels, from the before's stop
-        _v = add(Variant(f"{_before}-to-{_short}{_suffix}", _a.flags, _a.library, _a.hide_amx,
-                         swap=(_before, _step), needs=("avx512_bf16", "amx_tile")))
-        SWAPS[_v.name] = (_before, _after, _step)
+
+def add_swap(before, after, short, step, suffix="", color=None):
+    """A run that goes on from `before`'s stop at `step` as `after` (its flags, its kernels,
+    its site rounding): named BEFORE-to-SHORT, and its colour the before side's unless given."""
+    a, needs = VARIANTS[after], (*VARIANTS[before].needs, *VARIANTS[after].needs)
+    v = add(Variant(f"{before}-to-{short}{suffix}", a.flags, a.library, a.hide_amx,
+                    swap=(before, step), site_rounding=a.site_rounding, color=color,
+                    needs=tuple(dict.fromkeys(needs))))
+    SWAPS[v.name] = (before, after, step)
+    return v.name
+
+LIBRARY_SWAPS = [add_swap(_before, _after, _short, _step, _suffix)
+                 for _step, _suffix in ((SWAP_STEP, ""), (LATE_SWAP, f"-at{LATE_SWAP}"))
+                 for _before, _after, _short in (("bf16-trunc", "bf16-noamx", "noamx"),
+                                                 ("bf16-noamx", "bf16-trunc", "trunc"))]
 
 # Size or sign (sites.md): the trainer rounds to bf16 at the two sites in another mode, each
 # with the same mean |error| at the op as truncation's. On a chip whose engine rounds (AMX
@@ -152,6 +160,13 @@ for _mode in ("trunc", "rne6"):
 for _mode in ("trunc", "rne6"):
     add(Variant(f"bf16-trunc-site-{_mode}", BF16, library=TRUNCATING, site_rounding=_mode,
                 needs=("avx512_bf16",)))
+
+# The trainer's side swapped (sites-swap.md): bf16-trunc's runs go on from their stop at
+# SWAP_STEP, in the dip, with the engine still truncating and the trainer now truncating like
+# it (the cheap fix, mid-run) or rounding to 6 bits (zero-mean, the mismatch's size kept).
+SITE_SWAPS = [add_swap("bf16-trunc", f"bf16-trunc-site-{_mode}", f"site-{_mode}", SWAP_STEP,
+                       color=_color)
+              for _mode, _color in (("trunc", "goldenrod"), ("rne6", "slateblue"))]
 
 def parse_run(name):
     """(arm, variant, seed) of a run folder's name, or None where it is not ARM-VARIANT-sSEED

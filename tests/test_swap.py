@@ -18,6 +18,15 @@ HELDOUT = {"bf16-trunc": [0.2, 0.3, 0.9], "bf16-noamx": [0.96, 0.95, 0.97],
            "bf16-trunc-to-noamx": [0.7, 0.9, 0.9], "bf16-noamx-to-trunc": [0.9, 0.4, 0.8]}
 MISMATCH = {"bf16-trunc": 4e-3, "bf16-noamx": 1e-3, "bf16-trunc-to-noamx": 2e-3,
             "bf16-noamx-to-trunc": 2.5e-3}  # each variant's on update SWAP_STEP (and LATE_SWAP)
+SITE = {f"bf16-trunc{to}site-{m}": {"kernel_library": "_C_AVX512", "site_rounding": m, **swapped}
+        for m in ("trunc", "rne6")
+        for to, swapped in (("-", {}), ("-to-", {"swap_from": "bf16-trunc", "swap_step": SWAP_STEP}))}
+ARGS.update(SITE)  # the trainer's site rounding swapped (variants.SITE_SWAPS), their after sides
+SITE_HELDOUT = {"bf16-trunc": HELDOUT["bf16-trunc"], "bf16-trunc-to-noamx": HELDOUT["bf16-trunc-to-noamx"],
+                "bf16-trunc-to-site-trunc": [0.9, 0.95, 0.92], "bf16-trunc-site-trunc": [0.96, 0.95, 0.95],
+                "bf16-trunc-to-site-rne6": [0.45, 0.8, 0.85], "bf16-trunc-site-rne6": [0.8, 0.7, 0.9]}
+MISMATCH.update({"bf16-trunc-to-site-trunc": 2e-3, "bf16-trunc-site-trunc": 2e-3,
+                 "bf16-trunc-to-site-rne6": 5e-3, "bf16-trunc-site-rne6": 5e-3})
 LATE = {"bf16-trunc-to-noamx-at20": [0.5, 0.6, 0.8], "bf16-noamx-to-trunc-at20": [0.95, 0.9, 0.9]}
 MISMATCH.update({"bf16-trunc-to-noamx-at20": 1e-3, "bf16-noamx-to-trunc-at20": 3e-3})
 
@@ -37,11 +46,11 @@ def rows_of(v, seed, n):
     return [{"step": s, "reward_mean": 0.9, "mismatch_logp_abs_mean": m, **rest} for s, m in enumerate(mismatch)]
 
 
-def swap_folder(root, late=False):
+def swap_folder(root, late=False, heldout=HELDOUT):
     """Whole runs of SWAP_STEP + 1 rows (LATE_SWAP + 1 with late, and the later swaps); the
     stops of the unswapped variants at SWAP_STEP (and LATE_SWAP), held-out half (a third)."""
     folder, n = os.path.join(root, "chip"), (LATE_SWAP if late else SWAP_STEP) + 1
-    for v, accs in {**HELDOUT, **(LATE if late else {})}.items():
+    for v, accs in {**heldout, **(LATE if late else {})}.items():
         for seed, acc in enumerate(accs):
             args = {"dtype": "bf16", "seed": seed, "steps": n, "machine": MACHINE, **ARGS[v]}
             write_run(folder, f"gspo-engine-{v}-s{seed}", args, acc, rows_of(v, seed, n))
@@ -69,6 +78,30 @@ def test_the_swaps_table_by_hand(tmp_path, capsys):
     assert abs(factors["bf16-noamx-to-trunc"]["geometric_mean"] - 2.5) < 1e-12
     swap.print_read(out)
     assert "| bf16-trunc | 0.4667" in capsys.readouterr().out
+
+
+def test_the_site_swaps_table_by_hand(tmp_path, capsys):
+    """--swaps site: bf16-trunc's runs on from its stop with the trainer's site rounding changed,
+    against their before side and their after sides run from the start (Holm over four); the
+    engine's rescue a row beside them, its factor read, outside the contrasts."""
+    out = swap.read(swap_folder(str(tmp_path), heldout=SITE_HELDOUT), None, swaps="site")
+    cells = out["variants"]
+    assert list(cells) == swap.order(SWAP_STEP, "site") == swap.SETS["site"][1]
+    assert cells["bf16-trunc-to-site-rne6"]["heldout_at_swap"] == [0.1, 0.15, 0.45]  # the trunc stops'
+    assert cells["bf16-trunc-to-site-rne6"]["fell"] == 1 and cells["bf16-trunc-to-site-trunc"]["fell"] == 0
+    tests = {(t["a"], t["b"]): t for t in out["contrasts"]}
+    assert set(tests) == {("bf16-trunc-to-site-trunc", "bf16-trunc"), ("bf16-trunc-to-site-rne6", "bf16-trunc"),
+                          ("bf16-trunc-to-site-trunc", "bf16-trunc-site-trunc"),
+                          ("bf16-trunc-to-site-rne6", "bf16-trunc-site-rne6")}
+    fix = tests[("bf16-trunc-to-site-trunc", "bf16-trunc")]  # differences +0.7, +0.65, +0.02
+    assert abs(fix["mean"] - 1.37 / 3) < 1e-12 and fix["tests_in_table"] == 4
+    assert fix["p_sign_flip"] == 0.25  # flipping 0.02 leaves |sum| 1.33: 2 of 8 patterns reach 1.37
+    factors = out["factor_at_swap"]  # 2e-3 and 5e-3 over 4e-3; the engine's rescue 2e-3 too
+    assert abs(factors["bf16-trunc-to-site-trunc"]["geometric_mean"] - 0.5) < 1e-12
+    assert abs(factors["bf16-trunc-to-site-rne6"]["geometric_mean"] - 1.25) < 1e-12
+    assert abs(factors["bf16-trunc-to-noamx"]["geometric_mean"] - 0.5) < 1e-12
+    swap.print_read(out)
+    assert "| bf16-trunc-to-site-trunc | 0.9233" in capsys.readouterr().out
 
 
 def test_the_later_swaps_table_beside_the_first_by_hand(tmp_path):
@@ -102,10 +135,12 @@ def test_the_swaps_figure_and_its_json(tmp_path):
     assert data["variants"]["bf16-trunc-to-noamx"]["reward"]["x"] == list(range(SWAP_STEP + 1))
 
 
-def test_another_arm_is_refused_in_one_line(tmp_path, capsys):
+@pytest.mark.parametrize("flags, says", [(["--arms", "grpo"], "gspo-engine"),
+                                         (["--swaps", "site", "--step", str(LATE_SWAP)], "--swaps site")])
+def test_another_arm_or_a_late_site_swap_is_refused_in_one_line(tmp_path, capsys, flags, says):
     folder = swap_folder(str(tmp_path))
     with pytest.raises(SystemExit) as e:
-        swap.main([folder, "--arms", "grpo", "--out", str(tmp_path / "x.png")])
+        swap.main([folder, *flags, "--out", str(tmp_path / "x.png")])
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and len(err.splitlines()) == 1 and "gspo-engine" in err, err
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and says in err, err
     assert not (tmp_path / "x.png").exists()
