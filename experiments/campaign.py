@@ -121,8 +121,9 @@ def refuse_unswappable(todo, args):
         start = swap_source(args, name)
         kept = os.path.isfile(os.path.join(args.runs, name, "checkpoint.pt"))
         if start and not kept and not finished(start, readings_too=False):
+            before, step = parse_run(name)[1].swap
             refuse(f"{name}: no stop in {start}: first campaign.py --plan swap-stops "
-                   f"--stop-after {parse_run(name)[1].swap[1]} with the same --seeds")
+                   f"--variants {before} --stop-after {step} with the same --seeds")
 
 def earlier_stop(args, name):
     """This run's folder at the latest --stop-after below this one (any,

@@ -22,6 +22,9 @@ bf16-trunc's same stops; page: experiments/sites-swap.md):
     python experiments/swap.py $M --swaps site --seeds 0 1 2 3 4 5 6 7 \
         --out figures/sites-swap-intel-amx.png
 
+On a chip whose own library truncates, from bf16's stops (--plan swap-stops --variants bf16
+--stop-after 10 first), read with --swaps site-own.
+
 Per variant: n, held-out accuracy mean +- s.e. (ddof 1), the runs
 that fell (below causal.FELL), and each seed's held-out at the swap
 (the stop's, in $M/stepN/). Then contrasts() paired by seed: mean,
@@ -47,12 +50,15 @@ from variants import LATE_SWAP, LIBRARY_SWAPS, SITE_SWAPS, SWAP_STEP, SWAPS
 ARM = "gspo-engine"
 FIRST = ["bf16-noamx", "bf16-noamx-to-trunc", "bf16-trunc", "bf16-trunc-to-noamx"]
 # --swaps: which swaps are read together, and the table's rows at SWAP_STEP. The trainer's
-# site rounding swapped in bf16-trunc's dip (sites-swap.md) beside its after sides run from
-# the start; the engine's rescue (bf16-trunc-to-noamx) a row, outside its contrasts.
+# site rounding swapped in a truncating engine's dip (sites-swap.md) beside its after sides run
+# from the start, against the library forced (site) or the chip's own (site-own, without
+# AVX-512-BF16); the engine's rescue, or the aligned trainer, a row outside the contrasts.
+SITE_ROWS = ["to-site-trunc", "site-trunc", "to-site-rne6", "site-rne6"]
 SETS = {"library": (LIBRARY_SWAPS, FIRST),
-        "site": (SITE_SWAPS, ["bf16-trunc", "bf16-trunc-to-site-trunc", "bf16-trunc-site-trunc",
-                              "bf16-trunc-to-site-rne6", "bf16-trunc-site-rne6",
-                              "bf16-trunc-to-noamx"])}
+        "site": ([v for v in SITE_SWAPS if SWAPS[v][0] == "bf16-trunc"],
+                 ["bf16-trunc", *(f"bf16-trunc-{r}" for r in SITE_ROWS), "bf16-trunc-to-noamx"]),
+        "site-own": ([v for v in SITE_SWAPS if SWAPS[v][0] == "bf16"],
+                     ["bf16", *(f"bf16-{r}" for r in SITE_ROWS), "bf16-aligned"])}
 # A swap in its own colour, else its before side's: dashed at SWAP_STEP, dotted later
 STYLE = {v: (COLORS.get(v) or COLORS[b], "--" if at == SWAP_STEP else ":")
          for v, (b, _, at) in SWAPS.items()}
@@ -182,8 +188,9 @@ def main(argv=None):
     args = parse_runs(p, argv)
     if args.arms not in (None, [ARM]):
         refuse(f"--arms: the swap has one arm, {ARM} (variants.SWAPS)")
-    if args.swaps == "site" and args.step != SWAP_STEP:
-        refuse(f"--swaps site: its swaps are at update {SWAP_STEP} alone, not --step {args.step}")
+    if args.swaps != "library" and args.step != SWAP_STEP:
+        refuse(f"--swaps {args.swaps}: its swaps are at update {SWAP_STEP} alone, not --step "
+               f"{args.step}")
     out = read(args.path, args.seeds, args.step, args.swaps)
     print_read(out)
     save(figure(out), args.out, out)

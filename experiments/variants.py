@@ -131,10 +131,11 @@ SWAPS = {}  # swap variant: (before, after, the update it swaps at)
 def add_swap(before, after, short, step, suffix="", color=None):
     """A run that goes on from `before`'s stop at `step` as `after` (its flags, its kernels,
     its site rounding): named BEFORE-to-SHORT, and its colour the before side's unless given."""
-    a, needs = VARIANTS[after], (*VARIANTS[before].needs, *VARIANTS[after].needs)
+    a, b = VARIANTS[after], VARIANTS[before]
     v = add(Variant(f"{before}-to-{short}{suffix}", a.flags, a.library, a.hide_amx,
                     swap=(before, step), site_rounding=a.site_rounding, color=color,
-                    needs=tuple(dict.fromkeys(needs))))
+                    needs=tuple(dict.fromkeys((*b.needs, *a.needs))),
+                    lacks=tuple(dict.fromkeys((*b.lacks, *a.lacks)))))
     SWAPS[v.name] = (before, after, step)
     return v.name
 
@@ -161,11 +162,13 @@ for _mode in ("trunc", "rne6"):
     add(Variant(f"bf16-trunc-site-{_mode}", BF16, library=TRUNCATING, site_rounding=_mode,
                 needs=("avx512_bf16",)))
 
-# The trainer's side swapped (sites-swap.md): bf16-trunc's runs go on from their stop at
-# SWAP_STEP, in the dip, with the engine still truncating and the trainer now truncating like
-# it (the cheap fix, mid-run) or rounding to 6 bits (zero-mean, the mismatch's size kept).
-SITE_SWAPS = [add_swap("bf16-trunc", f"bf16-trunc-site-{_mode}", f"site-{_mode}", SWAP_STEP,
+# The trainer's side swapped (sites-swap.md): a run against a truncating engine goes on from
+# its stop at SWAP_STEP, in the dip, the engine still truncating and the trainer now truncating
+# like it (the cheap fix, mid-run) or rounding to 6 bits (zero-mean, the mismatch's size kept).
+# Where the chip's own library rounds, from bf16-trunc's stops; where it truncates, from bf16's.
+SITE_SWAPS = [add_swap(_before, f"{_before}-site-{_mode}", f"site-{_mode}", SWAP_STEP,
                        color=_color)
+              for _before in ("bf16-trunc", "bf16")
               for _mode, _color in (("trunc", "goldenrod"), ("rne6", "slateblue"))]
 
 def parse_run(name):

@@ -209,7 +209,7 @@ def test_a_swap_goes_on_from_its_before_sides_stop_or_is_refused(tmp_path, capsy
     with pytest.raises(SystemExit) as e:
         campaign.refuse_unswappable([(name, flags, opts)], args)
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and len(err.splitlines()) == 1 and "swap-stops" in err, err
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "swap-stops --variants bf16-trunc " in err, err
     stop = runs / f"step{SWAP_STEP}" / "gspo-engine-bf16-trunc-s3"
     (stop / "hf").mkdir(parents=True)
     (stop / "args.json").write_text(json.dumps({"steps": 40, "stop_after": SWAP_STEP}))

@@ -7,7 +7,7 @@ import os
 import pytest
 
 import swap
-from variants import LATE_SWAP, SWAP_STEP
+from variants import LATE_SWAP, SWAP_STEP, SWAPS, VARIANTS
 
 MACHINE = {"cpu": "chip", "gpu": None, "cpu_isa": ["avx2"], "torch": "t", "vllm": "v", "host": "h"}
 ARGS = {"bf16-trunc": {"kernel_library": "_C_AVX512"}, "bf16-noamx": {"kernel_library": "_C", "amx_hidden": True},
@@ -102,6 +102,17 @@ def test_the_site_swaps_table_by_hand(tmp_path, capsys):
     assert abs(factors["bf16-trunc-to-noamx"]["geometric_mean"] - 0.5) < 1e-12
     swap.print_read(out)
     assert "| bf16-trunc-to-site-trunc | 0.9233" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("swaps", list(swap.SETS))
+def test_each_set_reads_both_sides_of_its_swaps_on_one_kind_of_chip(swaps):
+    """A set's contrasts need each swap's before and after sides among its rows; its swaps run
+    on the same chips (site: a chip whose own library rounds; site-own: one that truncates)."""
+    first, rows = swap.SETS[swaps]
+    first = [v for v in first if SWAPS[v][2] == SWAP_STEP]  # the rows are SWAP_STEP's
+    assert first and all({SWAPS[v][0], v, SWAPS[v][1]} <= set(rows) for v in first)
+    chips = {(VARIANTS[v].needs, VARIANTS[v].lacks) for v in first}
+    assert len({frozenset(n) for n, _ in chips}) == 1 and len({lacks for _, lacks in chips}) == 1
 
 
 def test_the_later_swaps_table_beside_the_first_by_hand(tmp_path):
