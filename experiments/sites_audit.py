@@ -19,6 +19,13 @@ seed (seeded: a Monte Carlo p). Exploratory, added after the audits: Spearman's 
 across with the variants' mean |d| (does it track the size?), and the within-seed test with the
 audit's mean |d| in place of the part across. The figure: each audit's parts,
 along and across, a dot a run, filled where the run fell. Page: experiments/sites-audit.md.
+
+With --dip: the audits at bf16-trunc's stops after 10 updates, one engine and one policy a seed
+($M/sites/audit-step10/, the loop on sites-swap.md), each trainer's |b| / sigma, its parts, its
+mean |d| and clipped share, and the trunc and rne6 trainers less the rounding one paired by seed
+(exact sign-flip p, Holm over the two of each figure); the figure, a line a seed:
+
+    python experiments/sites_audit.py $M --dip --out figures/sites-audit-dip-intel-amx.png
 """
 import glob
 import itertools
@@ -29,11 +36,15 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from causal import FELL
-from common import holm, load_json, refuse
-from results import COLORS, machine_title, parse_runs, runs_parser, save
+from common import holm, load_json, machine_line, refuse
+from results import COLORS, holm_contrasts, machine_title, parse_runs, runs_parser, save
 from sites_figure import read
 
 FELL_OF_8 = 3  # a variant "fell" where at least this many of its runs did (sites-audit.md)
+# --dip (sites-swap.md): the audits at bf16-trunc's stops, each trainer against the rounding one
+DIP = "audit-step10"
+DIP_CONTRASTS = [("bf16-trunc-site-trunc", "bf16-trunc"), ("bf16-trunc-site-rne6", "bf16-trunc")]
+DIP_FIGURES = ("bias_over_noise", "along", "across", "mismatch", "clipped_share")
 DRAWS = 20_000  # the within-seed test's permutations
 TAB10 = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
          "tab:gray", "tab:olive", "tab:cyan"]
@@ -47,17 +58,17 @@ def parts(row):
             "across": across / sigma, "clipped_share": row["clipped_share"],
             "mismatch": row["mismatch_logp_abs_mean"], "resolved": row["resolved"]}
 
-def read_audits(path, only=None):
+def read_audits(path, only=None, folder="audit"):
     """{variant: {seed: parts}}, for the seeds every variant has (whole seeds only; of
-    `only`, where given)."""
+    `only`, where given), from $M/sites/<folder>/."""
     audits = {}
-    for f in sorted(glob.glob(os.path.join(path, "sites", "audit", "*.json"))):
+    for f in sorted(glob.glob(os.path.join(path, "sites", folder, "*.json"))):
         r = load_json(f, "audit.py --loss gspo-engine --variant V --json F")
         seed = int(os.path.basename(f)[:-5].rsplit("-s", 1)[1])
         if r.get("loss") == "gspo-engine" and r.get("variant") and seed in (only or [seed]):
             audits.setdefault(r["variant"], {})[seed] = parts(r["rows"][0])
     if not audits:
-        refuse(f"{path}/sites/audit/ holds no audit.py --loss gspo-engine --variant result")
+        refuse(f"{path}/sites/{folder}/ holds no audit.py --loss gspo-engine --variant result")
     seeds = sorted(set.intersection(*(set(a) for a in audits.values())))
     return {v: {s: a[s] for s in seeds} for v, a in audits.items()}, seeds
 
@@ -127,6 +138,47 @@ def analyse(path, only=None):
             "within_seed": {"share": share, "p_monte_carlo": p3, "draws": DRAWS},
             "machine": every["machine"]}
 
+def dip(path, only=None):
+    """sites-swap.md's audits in the dip: each trainer's figures at bf16-trunc's stops after 10
+    updates (one engine, one policy a seed), and each of DIP_CONTRASTS paired by seed for each
+    figure, Holm over a figure's two (|b| / sigma's the prediction's family)."""
+    audits, seeds = read_audits(path, only, DIP)
+    cells = {v: {"seeds": seeds, **{k: [a[s][k] for s in seeds] for k in DIP_FIGURES}}
+             for v, a in audits.items()}
+    first = sorted(glob.glob(os.path.join(path, "sites", DIP, "*.json")))[0]
+    return {"seeds": seeds, "variants": cells,
+            "contrasts": {k: holm_contrasts(cells, DIP_CONTRASTS, k) for k in DIP_FIGURES},
+            "machine": machine_line(load_json(first, "audit.py --json F")["machine"])}
+
+def print_dip(out):
+    head = " | ".join(DIP_FIGURES)
+    print(f"\ngspo-engine's update at bf16-trunc's stops after 10 updates, seeds {out['seeds']}: "
+          f"means over them\n\n| variant (the trainer's sites) | {head} |\n"
+          + "|---" * (len(DIP_FIGURES) + 1) + "|")
+    for v, c in out["variants"].items():
+        print(f"| {v} | " + " | ".join(f"{np.mean(c[k]):.4g}" for k in DIP_FIGURES) + " |")
+    print("\n| figure | contrast | n | mean [95 % CI] | sign-flip p | Holm (2) |\n"
+          "|---|---|---|---|---|---|")
+    for k, tests in out["contrasts"].items():
+        for t in tests:
+            lo, hi = t["ci95"]
+            print(f"| {k} | {t['a']} - {t['b']} | {t['n']} | {t['mean']:+.4g} [{lo:+.4g}, "
+                  f"{hi:+.4g}] | {t['p_sign_flip']:.4f} | {t['p_holm']:.4f} |")
+    print(f"\n{out['machine']}")
+
+def dip_figure(out):
+    """Each figure of DIP_FIGURES' first three by trainer, a line a seed."""
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
+    names = list(out["variants"])
+    for ax, k in zip(axes, DIP_FIGURES):
+        values = np.array([out["variants"][v][k] for v in names])  # variants x seeds
+        ax.plot(range(len(names)), values, "o-", color="0.5", lw=0.8, ms=4)
+        ax.set_xticks(range(len(names)), names, rotation=12, fontsize=7)
+        ax.set_title(f"{k}, a line a seed", fontsize=9)
+        ax.grid(alpha=0.3)
+    machine_title(fig, out["machine"])
+    return fig
+
 def print_read(out):
     print(f"\ngspo-engine's first update, seeds {out['seeds']} (means over them); fell: its runs "
           f"below {FELL} of all its seeds\n")
@@ -172,7 +224,13 @@ def figure(out):
 
 def main(argv=None):
     p = runs_parser("the sites' variants audited at GSPO's first update (the docstring)")
+    p.add_argument("--dip", action="store_true",
+                   help=f"the audits in $M/sites/{DIP}/ instead (sites-swap.md)")
     args = parse_runs(p, argv)
+    if args.dip:
+        out = dip(args.path, args.seeds)
+        print_dip(out)
+        return save(dip_figure(out), args.out, out)
     out = analyse(args.path, args.seeds)
     print_read(out)
     save(figure(out), args.out, out)

@@ -1,5 +1,8 @@
 """experiments/sites_audit.py: the bias's parts along and across E g, the rank test and the
 within-seed test, by hand."""
+import json
+import os
+
 import numpy as np
 import pytest
 
@@ -33,3 +36,34 @@ def test_within_seed_by_hand(monkeypatch):
     share, p = sites_audit.within_seed(runs, np.random.default_rng(0))
     assert share == pytest.approx(2 / 3) and p == pytest.approx(0.5, abs=0.03)
     assert sites_audit.within_seed([(0, False, 1.0)], np.random.default_rng(0)) == (None, None)
+
+
+MACHINE = {"cpu": "chip", "gpu": None, "cpu_isa": ["avx2"], "torch": "t", "vllm": "v", "host": "h"}
+
+
+def test_the_dip_contrasts_by_hand(tmp_path, capsys):
+    """--dip: |b| / sigma of trunc less rne by seed -0.2, -0.2, -0.3 (mean -0.7 / 3; only the two
+    one-signed patterns of eight reach |sum| 0.7: p 0.25), rne6 less rne +0.05, +0.05, -0.1 (mean 0,
+    p 1); Holm over the two: 0.5 and 1. A seed one variant lacks is left out."""
+    folder = tmp_path / "sites" / sites_audit.DIP
+    folder.mkdir(parents=True)
+    bias = {"bf16-trunc": [0.3, 0.4, 0.5], "bf16-trunc-site-trunc": [0.1, 0.2, 0.2],
+            "bf16-trunc-site-rne6": [0.35, 0.45, 0.4]}
+    for v, values in bias.items():
+        for s, x in enumerate(values + ([0.9] if v == "bf16-trunc" else [])):
+            row = {"b2": 0.5, "b_dot_eg": -0.3, "eg2": 0.36, "sigma2": 4.0, "bias_over_noise": x,
+                   "clipped_share": 0.1, "mismatch_logp_abs_mean": 2e-4, "resolved": True}
+            audit = {"loss": "gspo-engine", "variant": v, "machine": MACHINE, "rows": [row]}
+            (folder / f"{v}-s{s}.json").write_text(json.dumps(audit))
+    out = sites_audit.dip(str(tmp_path))
+    assert out["seeds"] == [0, 1, 2]
+    fix, rne6 = out["contrasts"]["bias_over_noise"]
+    assert (fix["a"], rne6["a"]) == ("bf16-trunc-site-trunc", "bf16-trunc-site-rne6")
+    assert fix["mean"] == pytest.approx(-0.7 / 3) and fix["p_sign_flip"] == pytest.approx(0.25)
+    assert rne6["mean"] == pytest.approx(0.0, abs=1e-12) and rne6["p_sign_flip"] == pytest.approx(1.0)
+    assert (fix["p_holm"], rne6["p_holm"]) == pytest.approx((0.5, 1.0))
+    assert out["contrasts"]["along"][0]["mean"] == pytest.approx(0.0)  # the same parts at every audit
+    sites_audit.main([str(tmp_path), "--dip", "--out", str(tmp_path / "dip.png")])
+    assert os.path.getsize(tmp_path / "dip.png") > 0 and "| bias_over_noise | bf16-trunc-site-trunc" in \
+        capsys.readouterr().out
+    assert json.load(open(tmp_path / "dip.json"))["seeds"] == [0, 1, 2]
