@@ -45,6 +45,8 @@ FELL_OF_8 = 3  # a variant "fell" where at least this many of its runs did (site
 DIP = "audit-step10"
 DIP_CONTRASTS = [("bf16-trunc-site-trunc", "bf16-trunc"), ("bf16-trunc-site-rne6", "bf16-trunc")]
 DIP_FIGURES = ("bias_over_noise", "along", "across", "mismatch", "clipped_share")
+DIP_TITLES = {"bias_over_noise": "|b| / sigma", "along": "along E g / sigma (< 0: shrinks)",
+              "across": "across E g / sigma (turns)"}
 DRAWS = 20_000  # the within-seed test's permutations
 TAB10 = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
          "tab:gray", "tab:olive", "tab:cyan"]
@@ -174,7 +176,7 @@ def dip_figure(out):
         values = np.array([out["variants"][v][k] for v in names])  # variants x seeds
         ax.plot(range(len(names)), values, "o-", color="0.5", lw=0.8, ms=4)
         ax.set_xticks(range(len(names)), names, rotation=12, fontsize=7)
-        ax.set_title(f"{k}, a line a seed", fontsize=9)
+        ax.set_title(f"{DIP_TITLES[k]}, a line a seed", fontsize=9)
         ax.grid(alpha=0.3)
     machine_title(fig, out["machine"])
     return fig
