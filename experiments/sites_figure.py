@@ -28,8 +28,10 @@ Exploratory, after the runs: at the same step-0 size, did one-signed errors fall
 zero-mean ones? A run is one-signed where its record truncates or rounds away on one side only
 (the engine's library truncating against the trainer's rne, or the trainer's trunc or away
 against a rounding engine), zero-mean where the trainer rounds rne, rne6 or sym against a
-rounding engine (others unclassified); among the runs whose step-0 mean |d| lies where both
-kinds ran, the falls of each kind and Fisher's exact one-sided p (fewer zero-mean falls).
+rounding engine (others unclassified). A rounding engine here is AMX hidden (bf16-noamx's): the
+chip's own library, rounding or not by the chip's ISA, is left unclassified. Among the runs
+whose step-0 mean |d| lies where both kinds ran, the falls of each kind and Fisher's exact
+one-sided p (fewer zero-mean falls).
 --arm grpo reads plan sites-grpo's runs. Page: experiments/sites.md.
 """
 import glob

@@ -128,14 +128,15 @@ SWAP_STEP = 10  # in the falling runs' dip (anatomy.md)
 LATE_SWAP = 20  # the same swaps later
 SWAPS = {}  # swap variant: (before, after, the update it swaps at)
 
-def add_swap(before, after, short, step, suffix="", color=None):
+def add_swap(before, after, short, step, suffix="", color=None, lacks=()):
     """A run that goes on from `before`'s stop at `step` as `after` (its flags, its kernels,
-    its site rounding): named BEFORE-to-SHORT, and its colour the before side's unless given."""
+    its site rounding): named BEFORE-to-SHORT, and its colour the before side's unless given;
+    it runs where both sides run, and not on a chip with any of `lacks`."""
     a, b = VARIANTS[after], VARIANTS[before]
     v = add(Variant(f"{before}-to-{short}{suffix}", a.flags, a.library, a.hide_amx,
                     swap=(before, step), site_rounding=a.site_rounding, color=color,
                     needs=tuple(dict.fromkeys((*b.needs, *a.needs))),
-                    lacks=tuple(dict.fromkeys((*b.lacks, *a.lacks)))))
+                    lacks=tuple(dict.fromkeys((*b.lacks, *a.lacks, *lacks)))))
     SWAPS[v.name] = (before, after, step)
     return v.name
 
@@ -154,8 +155,12 @@ SITE_MODES = SITE_ROUNDING[1:]
 for _mode in SITE_MODES:
     add(Variant(f"bf16-noamx-site-{_mode}", BF16, hide_amx=True, site_rounding=_mode,
                 needs=("amx_tile",)))
-for _mode in ("trunc", "rne6"):
-    add(Variant(f"bf16-site-{_mode}", BF16, site_rounding=_mode, lacks=("avx512_bf16",)))
+# On a chip without AMX, on its own library: where it truncates (AVX2 only), the trainer
+# truncating like its engine (the cheap fix) and a zero-mean error of that size; where it rounds
+# (AVX-512-BF16), the rounding-engine ablation again, on another chip, without AMX to hide.
+for _mode in SITE_MODES:
+    add(Variant(f"bf16-site-{_mode}", BF16, site_rounding=_mode, lacks=("amx_tile",),
+                needs=() if _mode in ("trunc", "rne6") else ("avx512_bf16",)))
 # The same against this chip's truncating library forced (bf16-trunc, whose seeds are their
 # control), on a chip whose own library rounds: the cheap fix where its engine rounds.
 for _mode in ("trunc", "rne6"):
@@ -165,10 +170,11 @@ for _mode in ("trunc", "rne6"):
 # The trainer's side swapped (sites-swap.md): a run against a truncating engine goes on from
 # its stop at SWAP_STEP, in the dip, the engine still truncating and the trainer now truncating
 # like it (the cheap fix, mid-run) or rounding to 6 bits (zero-mean, the mismatch's size kept).
-# Where the chip's own library rounds, from bf16-trunc's stops; where it truncates, from bf16's.
+# Where the chip's own library rounds, from bf16-trunc's stops; where it truncates, from bf16's
+# (bf16 dips only there: not on a chip with AVX-512-BF16).
 SITE_SWAPS = [add_swap(_before, f"{_before}-site-{_mode}", f"site-{_mode}", SWAP_STEP,
-                       color=_color)
-              for _before in ("bf16-trunc", "bf16")
+                       color=_color, lacks=_lacks)
+              for _before, _lacks in (("bf16-trunc", ()), ("bf16", ("avx512_bf16",)))
               for _mode, _color in (("trunc", "goldenrod"), ("rne6", "slateblue"))]
 
 def parse_run(name):
