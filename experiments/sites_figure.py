@@ -32,7 +32,8 @@ rounding engine (others unclassified). A rounding engine here is AMX hidden (bf1
 chip's own library, rounding or not by the chip's ISA, is left unclassified. Among the runs
 whose step-0 mean |d| lies where both kinds ran, the falls of each kind and Fisher's exact
 one-sided p (fewer zero-mean falls).
---arm grpo reads plan sites-grpo's runs. Page: experiments/sites.md.
+--arm grpo reads plan sites-grpo's runs; --variants these records alone, Holm over their
+contrasts (a chip's second part of the plan, read apart from its first). Page: experiments/sites.md.
 """
 import glob
 import math
@@ -44,7 +45,7 @@ from causal import FELL, growth_before_fall, print_contrasts
 from common import fmt, load_json, mean_se, refuse
 from plans import PLANS
 from results import (COLORS, holm_contrasts, load_experiment, machine_title, parse_runs,
-                     runs_parser, save)
+                     runs_parser, save, with_variants)
 from variants import SITE_ROUNDING as MODES, TRUNCATING, VARIANTS
 
 ARM = "gspo-engine"
@@ -69,10 +70,10 @@ def cell_of(runs):
             "growth_before_fall": [growth_before_fall(rows, with_fall=False)
                                    for _, rows, _ in runs]}
 
-def read(path, seeds, arm=ARM):
+def read(path, seeds, arm=ARM, variants=None):
     runs, where = load_experiment(path, seeds, [arm], dial=False)
     found = runs.get(arm, {})
-    cells = {v: cell_of(found[v]) for v in ORDER if v in found}
+    cells = {v: cell_of(found[v]) for v in ORDER if v in found and v in (variants or ORDER)}
     if not cells:
         refuse(f"{path} holds no {arm} run of plan sites")
     tests = holm_contrasts(cells, [(v, control_of(v)) for v in cells])
@@ -207,14 +208,17 @@ def matched(path):
     return {"tokens_sha1": next(iter(rows.values()))["tokens"], "rows": out}
 
 def main(argv=None):
-    p = runs_parser("size or sign: plan sites's runs, or the matched-size check (docstring)")
+    p = with_variants(runs_parser("size or sign: plan sites's runs, or the matched-size check "
+                                  "(docstring)"))
     p.add_argument("--matched", action="store_true", help="the matched-size table alone")
     p.add_argument("--arm", default=ARM, choices=[ARM, "grpo"], help="plan sites, sites-grpo")
     args = parse_runs(p, argv)
     if args.matched:
         from common import write_json
         return write_json(args.out, matched(args.path))
-    out = read(args.path, args.seeds, args.arm)
+    if unknown := set(args.variants or ()) - set(ORDER):
+        refuse(f"--variants: {' '.join(sorted(unknown))} in no plan sites or sites-grpo")
+    out = read(args.path, args.seeds, args.arm, args.variants)
     print_read(out)
     save(figure(out), args.out, out)
 

@@ -91,6 +91,23 @@ def test_the_figure_and_its_json(tmp_path):
     assert os.path.getsize(out) > 0 and data["variants"]["bf16-noamx-site-trunc"]["fell"] == 2
 
 
+def test_variants_read_those_records_alone_with_holm_over_their_contrasts(tmp_path, capsys):
+    """--variants: a chip's second part of the plan read apart from its first. The control and sym
+    alone: one contrast (-0.05, -0.01, -0.04: of the 8 sign flips only the two of one sign reach
+    |0.10|, p 2 of 8), Holm over one; a name in no plan is refused before any reading."""
+    root = folder(str(tmp_path / "runs"))
+    out = sites_figure.read(root, None, variants=["bf16-noamx", "bf16-noamx-site-sym"])
+    assert list(out["variants"]) == ["bf16-noamx", "bf16-noamx-site-sym"]
+    (sym,) = out["contrasts"]
+    assert sym["mean"] == pytest.approx(-0.1 / 3) and sym["p_sign_flip"] == 0.25
+    assert sym["tests_in_table"] == 1 and sym["p_holm"] == sym["p_sign_flip"]
+    with pytest.raises(SystemExit) as e:
+        sites_figure.main([root, "--variants", "bf16-noamx", "bf16-site-nope", "--out",
+                           str(tmp_path / "x.png")])
+    assert e.value.code == 2 and not os.path.exists(tmp_path / "x.png")
+    assert "bf16-site-nope" in capsys.readouterr().err
+
+
 def test_fisher_and_the_overlap_by_hand():
     """Fisher's one-sided p by hand: 0 of 3 zero-mean runs fell when 2 of 5 did, C(3,3)/C(5,3)
     = 1/10. The overlap: runs of each kind inside the window where both kinds ran."""
