@@ -26,10 +26,12 @@ p and Holm over the table; then each fall's growth of the mismatch on the rows b
 The figure: each seed's held-out by variant, a dot sized by that run's step-0 mean |d|.
 Exploratory, after the runs: at the same step-0 size, did one-signed errors fall more than
 zero-mean ones? A run is one-signed where its record truncates or rounds away on one side only
-(the engine's library truncating against the trainer's rne, or the trainer's trunc or away
-against a rounding engine), zero-mean where the trainer rounds rne, rne6 or sym against a
-rounding engine (others unclassified). A rounding engine here is AMX hidden (bf16-noamx's): the
-chip's own library, rounding or not by the chip's ISA, is left unclassified. Among the runs
+(a truncating engine against the trainer's rne, or the trainer's trunc or away against a
+rounding engine), zero-mean where the trainer rounds rne, rne6 or sym against a rounding engine
+(others unclassified, the aligned trainer too). The engine rounds with AMX hidden (bf16-noamx's)
+or in the chip's own library on a chip with AVX-512-BF16 and no AMX (the same kernels); it
+truncates in _C_AVX512 forced or in the chip's own without AVX-512-BF16; the chip's own with AMX
+(P.V in bf16 tiles) is left unclassified. Among the runs
 whose step-0 mean |d| lies where both kinds ran, the falls of each kind and Fisher's exact
 one-sided p (fewer zero-mean falls).
 --arm grpo reads plan sites-grpo's runs; --variants these records alone, Holm over their
@@ -46,7 +48,7 @@ from common import fmt, load_json, mean_se, refuse
 from plans import PLANS
 from results import (COLORS, holm_contrasts, load_experiment, machine_title, parse_runs,
                      runs_parser, save, with_variants)
-from variants import SITE_ROUNDING as MODES, TRUNCATING, VARIANTS
+from variants import SITE_ROUNDING as MODES, TRUNCATING, VARIANTS, formats
 
 ARM = "gspo-engine"
 ORDER = list(dict.fromkeys(v for plan in ("sites", "sites-grpo") for _, vs in PLANS[plan]
@@ -70,6 +72,16 @@ def cell_of(runs):
             "growth_before_fall": [growth_before_fall(rows, with_fall=False)
                                    for _, rows, _ in runs]}
 
+def own_library(path):
+    """What the chip of a folder's runs (one machine: load_experiment) does in its own library:
+    "rounds" (AVX-512-BF16, no AMX: the kernels AMX hidden leaves), "truncates" (no
+    AVX-512-BF16: _C_AVX2 or _C_AVX512), or None (AMX: P.V in bf16 tiles, neither)."""
+    args = sorted(glob.glob(os.path.join(path, "*", "args.json")))[0]
+    isa = load_json(args, "campaign.py")["machine"]["cpu_isa"]
+    if "amx_tile" in isa:
+        return None
+    return "rounds" if "avx512_bf16" in isa else "truncates"
+
 def read(path, seeds, arm=ARM, variants=None):
     runs, where = load_experiment(path, seeds, [arm], dial=False)
     found = runs.get(arm, {})
@@ -78,27 +90,34 @@ def read(path, seeds, arm=ARM, variants=None):
         refuse(f"{path} holds no {arm} run of plan sites")
     tests = holm_contrasts(cells, [(v, control_of(v)) for v in cells])
     return {"machine": where, "arm": arm, "fell_below": FELL, "variants": cells,
-            "contrasts": tests, "overlap": overlap(cells)}
+            "contrasts": tests, "overlap": overlap(cells, own_library(path))}
 
-def sign_of(v):
-    """The sign structure of a variant's error: "one-signed", "zero-mean" or None (docstring)."""
-    rec, engine_rounds = VARIANTS[v], VARIANTS[v].hide_amx
-    if rec.library == TRUNCATING and rec.site_rounding == "rne":
+def sign_of(v, own):
+    """The sign structure of a variant's error: "one-signed", "zero-mean" or None (docstring);
+    own: own_library's answer for the chip."""
+    rec = VARIANTS[v]
+    if formats(rec.flags)[3] != "torch":  # the aligned trainer: the engine's kernels, no error
+        return None
+    engine = ("rounds" if rec.hide_amx else "truncates" if rec.library == TRUNCATING
+              else own if rec.library is None else None)
+    if engine == "truncates":  # one-signed against the trainer's rne; others unclassified
+        return "one-signed" if rec.site_rounding == "rne" else None
+    if engine == "rounds" and rec.site_rounding in ("trunc", "away"):
         return "one-signed"
-    if engine_rounds and rec.site_rounding in ("trunc", "away"):
-        return "one-signed"
-    return "zero-mean" if engine_rounds and rec.site_rounding in ("rne", "rne6", "sym") else None
+    if engine == "rounds" and rec.site_rounding in ("rne", "rne6", "sym"):
+        return "zero-mean"
+    return None
 
 def fisher_one_sided(falls, n, total_falls, total):
     """P(at most `falls` of `n` runs fall) when `total_falls` of `total` fell (hypergeometric)."""
     return sum(math.comb(total_falls, k) * math.comb(total - total_falls, n - k)
                for k in range(falls + 1)) / math.comb(total, n)
 
-def overlap(cells):
+def overlap(cells, own=None):
     """Exploratory: one-signed against zero-mean runs where their step-0 sizes overlap."""
     runs = {"one-signed": [], "zero-mean": []}
     for v, c in cells.items():
-        if kind := sign_of(v):
+        if kind := sign_of(v, own):
             runs[kind] += [(a, h < FELL) for a, h in zip(c["step0_abs"], c["heldout"])]
     if not all(runs.values()):
         return None

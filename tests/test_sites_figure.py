@@ -126,6 +126,27 @@ def test_fisher_and_the_overlap_by_hand():
     assert sites_figure.overlap(apart) is None  # no size both kinds ran at
 
 
+def test_the_chips_own_library_is_classed_by_its_isa(tmp_path):
+    """The chip's own library rounds with AVX-512-BF16 and no AMX, truncates without
+    AVX-512-BF16, and is neither with AMX; the aligned trainer, no error, is never classed."""
+    classes = {}
+    for name, isa in (("rounds", ["avx512_bf16"]), ("truncates", ["avx2"]),
+                      ("amx", ["avx512_bf16", "amx_tile"])):
+        os.makedirs(tmp_path / name / "run")
+        with open(tmp_path / name / "run" / "args.json", "w") as f:
+            json.dump({"machine": {**MACHINE, "cpu_isa": isa}}, f)
+        classes[name] = sites_figure.own_library(str(tmp_path / name))
+    assert classes == {"rounds": "rounds", "truncates": "truncates", "amx": None}
+    sign = sites_figure.sign_of
+    assert [sign("bf16", own) for own in ("rounds", "truncates", None)] == [
+        "zero-mean", "one-signed", None]
+    assert [sign(f"bf16-site-{m}", "rounds") for m in ("trunc", "away", "rne6", "sym")] == [
+        "one-signed", "one-signed", "zero-mean", "zero-mean"]
+    assert sign("bf16-site-trunc", "truncates") is None  # truncation against truncation
+    assert sign("bf16-aligned", "rounds") is None
+    assert sign("bf16-trunc", "rounds") == "one-signed"  # the library forced, whatever the chip
+
+
 def test_growth_names_the_falls_and_the_dips_that_held(capsys):
     """A fallen run shows its growth; a run whose batch reward fell below 0.5 but whose held-out
     did not is named apart; a run that never dipped, neither."""
