@@ -158,9 +158,12 @@ for _mode in SITE_MODES:
 # On a chip without AMX, on its own library: where it truncates (AVX2 only), the trainer
 # truncating like its engine (the cheap fix) and a zero-mean error of that size; where it rounds
 # (AVX-512-BF16), the rounding-engine ablation again, on another chip, without AMX to hide.
+SITE_COLORS = {"trunc": "chocolate", "away": "darkmagenta", "rne6": "mediumseagreen",
+               "sym": "steelblue"}  # apart from bf16's red, which they are read against
 for _mode in SITE_MODES:
     add(Variant(f"bf16-site-{_mode}", BF16, site_rounding=_mode, lacks=("amx_tile",),
-                needs=() if _mode in ("trunc", "rne6") else ("avx512_bf16",)))
+                needs=() if _mode in ("trunc", "rne6") else ("avx512_bf16",),
+                color=SITE_COLORS[_mode]))
 # The same against this chip's truncating library forced (bf16-trunc, whose seeds are their
 # control), on a chip whose own library rounds: the cheap fix where its engine rounds.
 for _mode in ("trunc", "rne6"):
