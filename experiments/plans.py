@@ -98,9 +98,12 @@ PLANS["sites"] = [("gspo-engine", ["bf16-noamx", *(f"bf16-noamx-site-{m}" for m 
                                    "bf16", "bf16-aligned", *(f"bf16-site-{m}" for m in SITE_MODES),
                                    "bf16-trunc", "bf16-trunc-site-trunc",
                                    "bf16-trunc-site-rne6"])]
-# Then grpo for the variants that fell in gspo-engine (sites.md), five seeds, with their control.
+# Then grpo for the variants that fell in gspo-engine (sites.md), five seeds, with their control;
+# without AMX, the two that fell against the chip's own library, bf16 their control (where that
+# library truncates, bf16-site-trunc is the cheap fix: it runs in grpo if it fell; sites-xeon.md).
 PLANS["sites-grpo"] = [("grpo", ["bf16-noamx", "bf16-noamx-site-trunc", "bf16-noamx-site-away",
-                                "bf16-trunc", "bf16-trunc-site-rne6"])]
+                                "bf16-trunc", "bf16-trunc-site-rne6", "bf16", "bf16-site-trunc",
+                                "bf16-site-away"])]
 # The trainer's side swapped in bf16-trunc's dip (sites-swap.md): from the same stops as plan
 # swap's (--plan swap-stops --stop-after 10), the trainer truncating like its engine or at rne6.
 PLANS["sites-swap"] = [("gspo-engine", SITE_SWAPS)]
