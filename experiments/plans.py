@@ -112,6 +112,10 @@ PLANS["sites-swap"] = [("gspo-engine", SITE_SWAPS)]
 # aligned trainer; a seed's four runs before the next seed's.
 PLANS["scale"] = [("gspo-engine-x8", ["bf16-trunc", "bf16-noamx", "bf16-trunc-site-trunc",
                                       "bf16-trunc-aligned"])]
+# On a chip whose own library rounds without AMX (none to hide, so no bf16-noamx), the same
+# contrast with that library, bf16, as the rounding control (scale.md).
+PLANS["scale-own"] = [("gspo-engine-x8", ["bf16-trunc", "bf16", "bf16-trunc-site-trunc",
+                                          "bf16-trunc-aligned"])]
 
 def probed(name):
     """Whether mismatch.py --quick reads a run's policy: a PROBED arm's run of a probed variant

@@ -11,14 +11,15 @@ the larger's must reach at least the smaller's before its runs count.
     python experiments/scale.py $M --warm-starts --seeds 0 1 2 3 4 \
         --out figures/scale-warm-starts-intel-amx.json
 
-Then the runs, their table and figure:
+Then the runs, their table and figure (on a chip without AMX whose own library rounds,
+--plan scale-own in both: that library, bf16, is the rounding control):
 
     nohup python experiments/campaign.py --plan scale --seeds 0 1 2 3 4 > runs/scale.log &
     python experiments/scale.py $M --seeds 0 1 2 3 4 --out figures/scale-intel-amx.png
 
-Per arm and variant (plan scale's): the step-0 mean |log mu - log pi| and signed mean over
+Per arm and variant (the plan's): the step-0 mean |log mu - log pi| and signed mean over
 seeds, the runs that fell (held-out below causal.FELL), held-out mean +- s.e. (n); then
-CONTRASTS paired by seed (95 % t interval, exact sign-flip p), Holm over each arm's own: the
+the contrasts paired by seed (95 % t interval, exact sign-flip p), Holm over each arm's own: the
 larger GPT's are the pre-registered family (scale.md); then each fall's growth of the mismatch
 on the rows before its step (sites_figure.print_growth). The figure: a panel per arm, each
 seed's held-out by variant, a dot sized by that run's step-0 mean |d|.
@@ -39,16 +40,18 @@ from sites_figure import cell_of, columns, draw_cells, print_growth
 from variants import ARMS
 
 SMALL, LARGE = "gspo-engine", PLANS["scale"][0][0]
-ORDER = PLANS["scale"][0][1]
-CONTRASTS = [("bf16-trunc", "bf16-noamx"),  # the rounding: does it still make GSPO fall?
-             ("bf16-trunc-aligned", "bf16-trunc"),  # the aligned trainer, mismatch 0
-             ("bf16-trunc-site-trunc", "bf16-trunc")]  # the cheap fix (sites.md)
-STEP0_RATIOS = [("bf16-trunc", "bf16-noamx"), ("bf16-trunc-site-trunc", "bf16-noamx")]
+# Each plan's rounding control: the chip's rounding library, AMX hidden where there is AMX.
+CONTROLS = {"scale": "bf16-noamx", "scale-own": "bf16"}
 
-def step0_ratios(cells):
+def contrasts(control):
+    return [("bf16-trunc", control),  # the rounding: does it still make GSPO fall?
+            ("bf16-trunc-aligned", "bf16-trunc"),  # the aligned trainer, mismatch 0
+            ("bf16-trunc-site-trunc", "bf16-trunc")]  # the cheap fix (sites.md)
+
+def step0_ratios(cells, control):
     """Each pair's step-0 mean |d| over the rounding control's, seed by seed: mean and range."""
     out = {}
-    for a, b in STEP0_RATIOS:
+    for a, b in [("bf16-trunc", control), ("bf16-trunc-site-trunc", control)]:
         both = a in cells and b in cells and sorted(set(cells[a]["seeds"]) & set(cells[b]["seeds"]))
         if both:  # seeds both have
             r = [cells[a]["step0_abs"][cells[a]["seeds"].index(s)]
@@ -104,9 +107,10 @@ def reaches(path, seed):
     r = [load(os.path.join(path, "scale", f"warmstart-{a}-s{seed}.json")) for a in (SMALL, LARGE)]
     return None if None in r else r[1]["accuracy"] >= r[0]["accuracy"]
 
-def read(path, seeds):
-    """The two arms' cells and contrasts; the larger's runs of a seed whose warm start fell
-    short of the smaller's are left out (scale.md), and the seeds not yet checked named."""
+def read(path, seeds, plan="scale"):
+    """The two arms' cells and contrasts, the plan's variants; the larger's runs of a seed whose
+    warm start fell short of the smaller's are left out (scale.md), the seeds not yet checked
+    named."""
     runs, where = load_experiment(path, seeds, [SMALL, LARGE], dial=False)
     ran = {s for cell in runs.get(LARGE, {}).values() for s, _, _ in cell}
     checked = {s: reaches(path, s) for s in sorted(ran)}
@@ -115,11 +119,12 @@ def read(path, seeds):
     arms = {}
     for arm in (a for a in (SMALL, LARGE) if a in runs):
         found = {v: cell for v, cell in runs[arm].items() if cell}
-        cells = {v: cell_of(found[v]) for v in ORDER if v in found}
-        tests = holm_contrasts(cells, CONTRASTS)
-        arms[arm] = {"variants": cells, "contrasts": tests, "step0_ratios": step0_ratios(cells)}
+        cells = {v: cell_of(found[v]) for v in PLANS[plan][0][1] if v in found}
+        tests = holm_contrasts(cells, contrasts(CONTROLS[plan]))
+        ratios = step0_ratios(cells, CONTROLS[plan])
+        arms[arm] = {"variants": cells, "contrasts": tests, "step0_ratios": ratios}
     if not any(a["variants"] for a in arms.values()):
-        refuse(f"{path} holds no finished run of plan scale's variants on {SMALL} or {LARGE}")
+        refuse(f"{path} holds no finished run of plan {plan}'s variants on {SMALL} or {LARGE}")
     return {"machine": where, "fell_below": FELL, "arms": arms, "warm_start_reaches": checked}
 
 def print_read(out):
@@ -155,10 +160,12 @@ def figure(out):
 def main(argv=None):
     p = runs_parser("scale: plan scale's runs beside the 0.9M GPT's, or the warm starts")
     p.add_argument("--warm-starts", action="store_true", help="the warm starts' table alone")
+    p.add_argument("--plan", choices=CONTROLS, default="scale",
+                   help="scale (AMX hidden for the control) or scale-own (the chip's own library)")
     args = parse_runs(p, argv)
     if args.warm_starts:
         return write_json(args.out, warm_starts(args.path, args.seeds or [0]))
-    out = read(args.path, args.seeds)
+    out = read(args.path, args.seeds, args.plan)
     print_read(out)
     save(figure(out), args.out, out)
 

@@ -119,3 +119,22 @@ def test_the_warm_starts_table_reads_its_readings_and_says_whether_the_larger_re
     out = scale.warm_starts(str(tmp_path), [0])
     assert len(calls) == 2 and out["s0"]["reaches"] is True
     assert calls[1][calls[1].index("--init") + 1] == "runs/warmstart/gspo-engine-x8-new"
+
+
+def test_plan_scale_own_reads_the_chips_own_library_as_the_rounding_control(tmp_path, capsys):
+    """Without AMX to hide, bf16 (the chip's own rounding library) takes bf16-noamx's place in
+    the contrasts and the step-0 ratios; plan scale on the same folder reads no bf16 cell."""
+    root = folder(str(tmp_path))
+    for name in [n for n in os.listdir(root) if "-bf16-noamx-" in n]:
+        args = json.load(open(os.path.join(root, name, "args.json")))
+        json.dump({k: v for k, v in args.items() if k not in RECORDS["bf16-noamx"]},
+                  open(os.path.join(root, name, "args.json"), "w"))
+        os.rename(os.path.join(root, name), os.path.join(root, name.replace("-bf16-noamx-", "-bf16-")))
+    small = scale.read(root, None, "scale-own")["arms"]["gspo-engine"]
+    assert list(small["variants"]) == ["bf16-trunc", "bf16", "bf16-trunc-site-trunc"]
+    pairs = {(t["a"], t["b"]): t for t in small["contrasts"]}
+    assert set(pairs) == {("bf16-trunc", "bf16"), ("bf16-trunc-site-trunc", "bf16-trunc")}
+    assert pairs[("bf16-trunc", "bf16")]["mean"] == pytest.approx((-0.75 - 0.06 - 0.64) / 3)
+    assert list(small["step0_ratios"]) == ["bf16-trunc / bf16", "bf16-trunc-site-trunc / bf16"]
+    as_amx = scale.read(root, None)["arms"]["gspo-engine"]
+    assert "bf16" not in as_amx["variants"] and len(as_amx["contrasts"]) == 1
