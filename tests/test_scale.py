@@ -121,7 +121,7 @@ def test_the_warm_starts_table_reads_its_readings_and_says_whether_the_larger_re
     assert calls[1][calls[1].index("--init") + 1] == "runs/warmstart/gspo-engine-x8-new"
 
 
-def test_plan_scale_own_reads_the_chips_own_library_as_the_rounding_control(tmp_path, capsys):
+def test_plan_scale_own_reads_the_chips_own_library_as_the_rounding_control(tmp_path):
     """Without AMX to hide, bf16 (the chip's own rounding library) takes bf16-noamx's place in
     the contrasts and the step-0 ratios; plan scale on the same folder reads no bf16 cell."""
     root = folder(str(tmp_path))
