@@ -152,23 +152,23 @@ LIBRARY_SWAPS = [add_swap(_before, _after, _short, _step, _suffix)
 # trainer truncating like it (the cheap fix), and a zero-mean error of that size.
 SITE_ROUNDING = ("rne", "trunc", "away", "rne6", "sym")  # sites.py's modes; rne the trainer's
 SITE_MODES = SITE_ROUNDING[1:]
+SITE_COLORS = {"trunc": "chocolate", "away": "darkmagenta", "rne6": "mediumseagreen",
+               "sym": "steelblue"}  # apart from bf16's red, which they are read against
 for _mode in SITE_MODES:
     add(Variant(f"bf16-noamx-site-{_mode}", BF16, hide_amx=True, site_rounding=_mode,
-                needs=("amx_tile",)))
+                needs=("amx_tile",), color=SITE_COLORS[_mode]))
 # On a chip without AMX, on its own library: where it truncates (AVX2 only), the trainer
 # truncating like its engine (the cheap fix) and a zero-mean error of that size; where it rounds
 # (AVX-512-BF16), the rounding-engine ablation again, on another chip, without AMX to hide.
-SITE_COLORS = {"trunc": "chocolate", "away": "darkmagenta", "rne6": "mediumseagreen",
-               "sym": "steelblue"}  # apart from bf16's red, which they are read against
 for _mode in SITE_MODES:
     add(Variant(f"bf16-site-{_mode}", BF16, site_rounding=_mode, lacks=("amx_tile",),
                 needs=() if _mode in ("trunc", "rne6") else ("avx512_bf16",),
                 color=SITE_COLORS[_mode]))
 # The same against this chip's truncating library forced (bf16-trunc, whose seeds are their
 # control), on a chip whose own library rounds: the cheap fix where its engine rounds.
-for _mode in ("trunc", "rne6"):
+for _mode, _color in (("trunc", "teal"), ("rne6", "navy")):  # drawn beside bf16-noamx-site-*
     add(Variant(f"bf16-trunc-site-{_mode}", BF16, library=TRUNCATING, site_rounding=_mode,
-                needs=("avx512_bf16",)))
+                needs=("avx512_bf16",), color=_color))
 
 # The trainer's side swapped (sites-swap.md): a run against a truncating engine goes on from
 # its stop at SWAP_STEP, in the dip, the engine still truncating and the trainer now truncating
