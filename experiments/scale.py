@@ -12,7 +12,8 @@ the larger's must reach at least the smaller's before its runs count.
         --out figures/scale-warm-starts-intel-amx.json
 
 Then the runs, their table and figure (on a chip without AMX whose own library rounds,
---plan scale-own in both: that library, bf16, is the rounding control):
+--plan scale-own in both: that library, bf16, is the rounding control; --plan scale-fp16 in
+both: fp16 beside bf16, scale-fp16.md):
 
     nohup python experiments/campaign.py --plan scale --seeds 0 1 2 3 4 > runs/scale.log &
     python experiments/scale.py $M --seeds 0 1 2 3 4 --out figures/scale-intel-amx.png
@@ -23,7 +24,7 @@ the contrasts paired by seed (95 % t interval, exact sign-flip p), Holm over eac
 larger GPT's are the pre-registered family (scale.md); then each fall's growth of the mismatch
 on the rows before its step (sites_figure.print_growth). The figure: a panel per arm, each
 seed's held-out by variant, a dot sized by that run's step-0 mean |d|.
-Page: experiments/scale.md.
+Pages: experiments/scale.md, experiments/scale-fp16.md.
 """
 import os
 import subprocess
@@ -40,18 +41,23 @@ from sites_figure import cell_of, columns, draw_cells, print_growth
 from variants import ARMS
 
 SMALL, LARGE = "gspo-engine", PLANS["scale"][0][0]
-# Each plan's rounding control: the chip's rounding library, AMX hidden where there is AMX.
-CONTROLS = {"scale": "bf16-noamx", "scale-own": "bf16"}
 
-def contrasts(control):
-    return [("bf16-trunc", control),  # the rounding: does it still make GSPO fall?
-            ("bf16-trunc-aligned", "bf16-trunc"),  # the aligned trainer, mismatch 0
-            ("bf16-trunc-site-trunc", "bf16-trunc")]  # the cheap fix (sites.md)
+def rounding_family(control):
+    """Plan scale's contrasts and step-0 ratios, against the chip's rounding control."""
+    tests = [("bf16-trunc", control),  # the rounding: does it still make GSPO fall?
+             ("bf16-trunc-aligned", "bf16-trunc"),  # the aligned trainer, mismatch 0
+             ("bf16-trunc-site-trunc", "bf16-trunc")]  # the cheap fix (sites.md)
+    return tests, [("bf16-trunc", control), ("bf16-trunc-site-trunc", control)]
 
-def step0_ratios(cells, control):
-    """Each pair's step-0 mean |d| over the rounding control's, seed by seed: mean and range."""
+# Each plan's pre-registered contrasts and step-0 ratios: the rounding control is the chip's
+# rounding library, AMX hidden where there is AMX; the paper's fix is read against bf16.
+FAMILIES = {"scale": rounding_family("bf16-noamx"), "scale-own": rounding_family("bf16"),
+            "scale-fp16": ([("fp16", "bf16")], [("fp16", "bf16")])}
+
+def step0_ratios(cells, pairs):
+    """Each pair's step-0 mean |d|, the first's over the second's, seed by seed: mean, range."""
     out = {}
-    for a, b in [("bf16-trunc", control), ("bf16-trunc-site-trunc", control)]:
+    for a, b in pairs:
         both = a in cells and b in cells and sorted(set(cells[a]["seeds"]) & set(cells[b]["seeds"]))
         if both:  # seeds both have
             r = [cells[a]["step0_abs"][cells[a]["seeds"].index(s)]
@@ -120,8 +126,8 @@ def read(path, seeds, plan="scale"):
     for arm in (a for a in (SMALL, LARGE) if a in runs):
         found = {v: cell for v, cell in runs[arm].items() if cell}
         cells = {v: cell_of(found[v]) for v in PLANS[plan][0][1] if v in found}
-        tests = holm_contrasts(cells, contrasts(CONTROLS[plan]))
-        ratios = step0_ratios(cells, CONTROLS[plan])
+        tests = holm_contrasts(cells, FAMILIES[plan][0])
+        ratios = step0_ratios(cells, FAMILIES[plan][1])
         arms[arm] = {"variants": cells, "contrasts": tests, "step0_ratios": ratios}
     if not any(a["variants"] for a in arms.values()):
         refuse(f"{path} holds no finished run of plan {plan}'s variants on {SMALL} or {LARGE}")
@@ -160,8 +166,9 @@ def figure(out):
 def main(argv=None):
     p = runs_parser("scale: plan scale's runs beside the 0.9M GPT's, or the warm starts")
     p.add_argument("--warm-starts", action="store_true", help="the warm starts' table alone")
-    p.add_argument("--plan", choices=CONTROLS, default="scale",
-                   help="scale (AMX hidden for the control) or scale-own (the chip's own library)")
+    p.add_argument("--plan", choices=FAMILIES, default="scale",
+                   help="scale (AMX hidden for the control), scale-own (the chip's own library) "
+                        "or scale-fp16 (fp16 beside bf16)")
     args = parse_runs(p, argv)
     if args.warm_starts:
         return write_json(args.out, warm_starts(args.path, args.seeds or [0]))

@@ -138,3 +138,28 @@ def test_plan_scale_own_reads_the_chips_own_library_as_the_rounding_control(tmp_
     assert list(small["step0_ratios"]) == ["bf16-trunc / bf16", "bf16-trunc-site-trunc / bf16"]
     as_amx = scale.read(root, None)["arms"]["gspo-engine"]
     assert "bf16" not in as_amx["variants"] and len(as_amx["contrasts"]) == 1
+
+
+def test_plan_scale_fp16_reads_fp16_against_bf16_alone(tmp_path):
+    """Plan scale-fp16's one contrast, fp16 - bf16, by hand, and its step-0 ratio (fp16's runs
+    set at a tenth of bf16's mismatch, seed by seed); the plan's variants alone are read."""
+    root = folder(str(tmp_path))
+    for arm, cells in HELDOUT.items():
+        for before, after in (("bf16-noamx", "bf16"), ("bf16-trunc", "fp16")):
+            for seed, acc in enumerate(cells[before]):
+                run = os.path.join(root, f"{arm}-{before}-s{seed}")
+                args = json.load(open(os.path.join(run, "args.json")))
+                json.dump({k: v for k, v in args.items() if k not in RECORDS[before]}
+                          | {"dtype": after}, open(os.path.join(run, "args.json"), "w"))
+                if after == "fp16":
+                    open(os.path.join(run, "metrics.jsonl"), "w").write(
+                        "\n".join(json.dumps(r) for r in rows(seed, acc, m0=1e-5)) + "\n")
+                os.rename(run, os.path.join(root, f"{arm}-{after}-s{seed}"))
+    small = scale.read(root, None, "scale-fp16")["arms"]["gspo-engine"]
+    assert list(small["variants"]) == ["bf16", "fp16"]  # bf16-trunc-site-trunc is not the plan's
+    (only,) = small["contrasts"]
+    assert (only["a"], only["b"]) == ("fp16", "bf16")
+    assert only["mean"] == pytest.approx((-0.75 - 0.06 - 0.64) / 3)
+    assert only["p_holm"] == only["p_sign_flip"]  # one test: Holm leaves it as it is
+    ratio = small["step0_ratios"]["fp16 / bf16"]
+    assert ratio["mean"] == pytest.approx(0.1) and ratio["range"] == pytest.approx([0.1, 0.1])
