@@ -40,6 +40,22 @@ def folder(root):
     return root
 
 
+def relabel(root, before, after, dtype="bf16", m0=None):
+    """folder's runs of variant BEFORE made AFTER's: BEFORE's record dropped from args.json, the
+    dtype set, and where m0 is given the metrics set again at that step-0 scale."""
+    for arm, cells in HELDOUT.items():
+        for seed, acc in enumerate(cells.get(before, [])):
+            run = os.path.join(root, f"{arm}-{before}-s{seed}")
+            args = json.load(open(os.path.join(run, "args.json")))
+            json.dump({k: v for k, v in args.items() if k not in RECORDS[before]} | {"dtype": dtype},
+                      open(os.path.join(run, "args.json"), "w"))
+            if m0:
+                open(os.path.join(run, "metrics.jsonl"), "w").write(
+                    "\n".join(json.dumps(r) for r in rows(seed, acc, m0=m0)) + "\n")
+            os.rename(run, os.path.join(root, f"{arm}-{after}-s{seed}"))
+    return root
+
+
 def test_the_table_by_hand_each_arm_its_own_family(tmp_path, capsys):
     out = scale.read(folder(str(tmp_path)), None)
     small, large = out["arms"]["gspo-engine"], out["arms"]["gspo-engine-x8"]
@@ -124,12 +140,7 @@ def test_the_warm_starts_table_reads_its_readings_and_says_whether_the_larger_re
 def test_plan_scale_own_reads_the_chips_own_library_as_the_rounding_control(tmp_path):
     """Without AMX to hide, bf16 (the chip's own rounding library) takes bf16-noamx's place in
     the contrasts and the step-0 ratios; plan scale on the same folder reads no bf16 cell."""
-    root = folder(str(tmp_path))
-    for name in [n for n in os.listdir(root) if "-bf16-noamx-" in n]:
-        args = json.load(open(os.path.join(root, name, "args.json")))
-        json.dump({k: v for k, v in args.items() if k not in RECORDS["bf16-noamx"]},
-                  open(os.path.join(root, name, "args.json"), "w"))
-        os.rename(os.path.join(root, name), os.path.join(root, name.replace("-bf16-noamx-", "-bf16-")))
+    root = relabel(folder(str(tmp_path)), "bf16-noamx", "bf16")
     small = scale.read(root, None, "scale-own")["arms"]["gspo-engine"]
     assert list(small["variants"]) == ["bf16-trunc", "bf16", "bf16-trunc-site-trunc"]
     pairs = {(t["a"], t["b"]): t for t in small["contrasts"]}
@@ -143,18 +154,8 @@ def test_plan_scale_own_reads_the_chips_own_library_as_the_rounding_control(tmp_
 def test_plan_scale_fp16_reads_fp16_against_bf16_alone(tmp_path):
     """Plan scale-fp16's one contrast, fp16 - bf16, by hand, and its step-0 ratio (fp16's runs
     set at a tenth of bf16's mismatch, seed by seed); the plan's variants alone are read."""
-    root = folder(str(tmp_path))
-    for arm, cells in HELDOUT.items():
-        for before, after in (("bf16-noamx", "bf16"), ("bf16-trunc", "fp16")):
-            for seed, acc in enumerate(cells[before]):
-                run = os.path.join(root, f"{arm}-{before}-s{seed}")
-                args = json.load(open(os.path.join(run, "args.json")))
-                json.dump({k: v for k, v in args.items() if k not in RECORDS[before]}
-                          | {"dtype": after}, open(os.path.join(run, "args.json"), "w"))
-                if after == "fp16":
-                    open(os.path.join(run, "metrics.jsonl"), "w").write(
-                        "\n".join(json.dumps(r) for r in rows(seed, acc, m0=1e-5)) + "\n")
-                os.rename(run, os.path.join(root, f"{arm}-{after}-s{seed}"))
+    root = relabel(folder(str(tmp_path)), "bf16-noamx", "bf16")
+    relabel(root, "bf16-trunc", "fp16", dtype="fp16", m0=1e-5)
     small = scale.read(root, None, "scale-fp16")["arms"]["gspo-engine"]
     assert list(small["variants"]) == ["bf16", "fp16"]  # bf16-trunc-site-trunc is not the plan's
     (only,) = small["contrasts"]
