@@ -26,6 +26,11 @@ def rows(seed, acc, m0=1e-4):
             for s in range(3)]
 
 
+def write_metrics(run, seed, acc, m0=1e-4):
+    open(os.path.join(run, "metrics.jsonl"), "w").write(
+        "\n".join(json.dumps(r) for r in rows(seed, acc, m0)) + "\n")
+
+
 def folder(root):
     for arm, cells in HELDOUT.items():
         for v, accs in cells.items():
@@ -35,8 +40,7 @@ def folder(root):
                 args = {"dtype": "bf16", **RECORDS[v], "seed": seed, "steps": 3, "machine": MACHINE}
                 json.dump(args, open(os.path.join(run, "args.json"), "w"))
                 json.dump({"accuracy": acc}, open(os.path.join(run, "heldout.json"), "w"))
-                open(os.path.join(run, "metrics.jsonl"), "w").write(
-                    "\n".join(json.dumps(r) for r in rows(seed, acc)) + "\n")
+                write_metrics(run, seed, acc)
     return root
 
 
@@ -50,8 +54,7 @@ def relabel(root, before, after, dtype="bf16", m0=None):
             json.dump({k: v for k, v in args.items() if k not in RECORDS[before]} | {"dtype": dtype},
                       open(os.path.join(run, "args.json"), "w"))
             if m0:
-                open(os.path.join(run, "metrics.jsonl"), "w").write(
-                    "\n".join(json.dumps(r) for r in rows(seed, acc, m0=m0)) + "\n")
+                write_metrics(run, seed, acc, m0)
             os.rename(run, os.path.join(root, f"{arm}-{after}-s{seed}"))
     return root
 
