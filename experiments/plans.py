@@ -117,8 +117,9 @@ PLANS["scale"] = [("gspo-engine-x8", ["bf16-trunc", "bf16-noamx", "bf16-trunc-si
 PLANS["scale-own"] = [("gspo-engine-x8", ["bf16-trunc", "bf16", "bf16-trunc-site-trunc",
                                           "bf16-trunc-aligned"])]
 # The paper's fix on the larger GPT (scale-fp16.md): fp16 on both sides beside bf16 on the chip's
-# own library, a seed's two before the next seed's (where plan scale-own ran, bf16's are there).
-PLANS["scale-fp16"] = [("gspo-engine-x8", ["bf16", "fp16"])]
+# own library, a seed's two before the next seed's (where plan scale-own ran, bf16's are there);
+# then the 0.9M GPT's pair, --arms gspo-engine (where plan sites ran, bf16's are there).
+PLANS["scale-fp16"] = [("gspo-engine-x8", ["bf16", "fp16"]), ("gspo-engine", ["bf16", "fp16"])]
 
 def probed(name):
     """Whether mismatch.py --quick reads a run's policy: a PROBED arm's run of a probed variant
