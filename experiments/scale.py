@@ -122,10 +122,11 @@ def read(path, seeds, plan="scale"):
     checked = {s: reaches(path, s) for s in sorted(ran)}
     for v, cell in runs.get(LARGE, {}).items():
         runs[LARGE][v] = [run for run in cell if checked[run[0]] is not False]
-    arms = {}
+    arms, listed = {}, dict(PLANS[plan])  # an arm the plan leaves out reads its first arm's
     for arm in (a for a in (SMALL, LARGE) if a in runs):
         found = {v: cell for v, cell in runs[arm].items() if cell}
-        cells = {v: cell_of(found[v]) for v in PLANS[plan][0][1] if v in found}
+        variants = listed.get(arm, PLANS[plan][0][1])
+        cells = {v: cell_of(found[v]) for v in variants if v in found}
         tests = holm_contrasts(cells, FAMILIES[plan][0])
         ratios = step0_ratios(cells, FAMILIES[plan][1])
         arms[arm] = {"variants": cells, "contrasts": tests, "step0_ratios": ratios}
