@@ -23,8 +23,8 @@ seeds, the runs that fell (held-out below causal.FELL), held-out mean +- s.e. (n
 the contrasts paired by seed (95 % t interval, exact sign-flip p), Holm over each arm's own: the
 larger GPT's are the pre-registered family (scale.md); then each fall's growth of the mismatch
 on the rows before its step (sites_figure.print_growth). The figure: a panel per arm, each
-seed's held-out by variant, a dot sized by that run's step-0 mean |d|.
-Pages: experiments/scale.md, experiments/scale-fp16.md.
+seed's held-out by variant, a dot sized by that run's step-0 mean |d|. --arms reads one arm
+alone (its numbers as beside the other). Pages: experiments/scale.md, experiments/scale-fp16.md.
 """
 import os
 import subprocess
@@ -113,11 +113,13 @@ def reaches(path, seed):
     r = [load(os.path.join(path, "scale", f"warmstart-{a}-s{seed}.json")) for a in (SMALL, LARGE)]
     return None if None in r else r[1]["accuracy"] >= r[0]["accuracy"]
 
-def read(path, seeds, plan="scale"):
-    """The two arms' cells and contrasts, the plan's variants; the larger's runs of a seed whose
-    warm start fell short of the smaller's are left out (scale.md), the seeds not yet checked
-    named."""
-    runs, where = load_experiment(path, seeds, [SMALL, LARGE], dial=False)
+def read(path, seeds, plan="scale", arms=None):
+    """The two arms' cells and contrasts (or those of ARMS alone), the plan's variants; the
+    larger's runs of a seed whose warm start fell short of the smaller's are left out (scale.md),
+    the seeds not yet checked named."""
+    if set(arms or []) - {SMALL, LARGE}:
+        refuse(f"--arms {' '.join(arms)}: scale reads {SMALL} and {LARGE}")
+    runs, where = load_experiment(path, seeds, arms or [SMALL, LARGE], dial=False)
     ran = {s for cell in runs.get(LARGE, {}).values() for s, _, _ in cell}
     checked = {s: reaches(path, s) for s in sorted(ran)}
     for v, cell in runs.get(LARGE, {}).items():
@@ -155,10 +157,11 @@ def print_read(out):
     print(f"\n{out['machine']}")
 
 def figure(out):
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
+    n = len(out["arms"])
+    fig, axes = plt.subplots(1, n, figsize=(4.5 * n, 3.6), sharey=True, squeeze=False)
     cells = [c for a in out["arms"].values() for c in a["variants"].values()]
     top = max(x for c in cells for x in c["step0_abs"]) or 1.0
-    for ax, (arm, a) in zip(axes, out["arms"].items()):
+    for ax, (arm, a) in zip(axes[0], out["arms"].items()):
         draw_cells(ax, a["variants"], top,
                    f"{arm}: held-out after 40 updates; dot size: step-0 mean |d|", fontsize=8)
     machine_title(fig, out["machine"])
@@ -173,7 +176,7 @@ def main(argv=None):
     args = parse_runs(p, argv)
     if args.warm_starts:
         return write_json(args.out, warm_starts(args.path, args.seeds or [0]))
-    out = read(args.path, args.seeds, args.plan)
+    out = read(args.path, args.seeds, args.plan, args.arms)
     print_read(out)
     save(figure(out), args.out, out)
 

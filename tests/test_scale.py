@@ -167,3 +167,15 @@ def test_plan_scale_fp16_reads_fp16_against_bf16_alone(tmp_path):
     assert only["p_holm"] == only["p_sign_flip"]  # one test: Holm leaves it as it is
     ratio = small["step0_ratios"]["fp16 / bf16"]
     assert ratio["mean"] == pytest.approx(0.1) and ratio["range"] == pytest.approx([0.1, 0.1])
+
+
+def test_arms_reads_the_named_arm_alone_and_refuses_one_scale_does_not_read(tmp_path):
+    """--arms gspo-engine: the larger GPT's runs in the folder are not read (its table, the same
+    numbers as with both arms); an arm scale does not read is refused, exit 2."""
+    root = folder(str(tmp_path))
+    both = scale.read(root, None)["arms"]
+    alone = scale.read(root, None, arms=["gspo-engine"])["arms"]
+    assert list(alone) == ["gspo-engine"] and alone["gspo-engine"] == both["gspo-engine"]
+    with pytest.raises(SystemExit) as e:
+        scale.read(root, None, arms=["gspo"])
+    assert e.value.code == 2
