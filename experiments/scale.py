@@ -124,17 +124,17 @@ def read(path, seeds, plan="scale", arms=None):
     checked = {s: reaches(path, s) for s in sorted(ran)}
     for v, cell in runs.get(LARGE, {}).items():
         runs[LARGE][v] = [run for run in cell if checked[run[0]] is not False]
-    arms, listed = {}, dict(PLANS[plan])  # an arm the plan leaves out reads its first arm's
+    tables, listed = {}, dict(PLANS[plan])  # an arm the plan leaves out reads its first arm's
     for arm in (a for a in (SMALL, LARGE) if a in runs):
         found = {v: cell for v, cell in runs[arm].items() if cell}
         variants = listed.get(arm, PLANS[plan][0][1])
         cells = {v: cell_of(found[v]) for v in variants if v in found}
         tests = holm_contrasts(cells, FAMILIES[plan][0])
         ratios = step0_ratios(cells, FAMILIES[plan][1])
-        arms[arm] = {"variants": cells, "contrasts": tests, "step0_ratios": ratios}
-    if not any(a["variants"] for a in arms.values()):
+        tables[arm] = {"variants": cells, "contrasts": tests, "step0_ratios": ratios}
+    if not any(a["variants"] for a in tables.values()):
         refuse(f"{path} holds no finished run of plan {plan}'s variants on {SMALL} or {LARGE}")
-    return {"machine": where, "fell_below": FELL, "arms": arms, "warm_start_reaches": checked}
+    return {"machine": where, "fell_below": FELL, "arms": tables, "warm_start_reaches": checked}
 
 def print_read(out):
     for arm, a in out["arms"].items():
