@@ -24,7 +24,8 @@ the contrasts paired by seed (95 % t interval, exact sign-flip p), Holm over eac
 larger GPT's are the pre-registered family (scale.md); then each fall's growth of the mismatch
 on the rows before its step (sites_figure.print_growth). The figure: a panel per arm, each
 seed's held-out by variant, a dot sized by that run's step-0 mean |d|. --arms reads one arm
-alone (its numbers as beside the other). Pages: experiments/scale.md, experiments/scale-fp16.md.
+alone (its numbers as beside the other); --warm-starts reads both, a seed's row the pair.
+Pages: experiments/scale.md, experiments/scale-fp16.md.
 """
 import os
 import subprocess
@@ -117,8 +118,8 @@ def read(path, seeds, plan="scale", arms=None):
     """The two arms' cells and contrasts (or those of ARMS alone), the plan's variants; the
     larger's runs of a seed whose warm start fell short of the smaller's are left out (scale.md),
     the seeds not yet checked named."""
-    if set(arms or []) - {SMALL, LARGE}:
-        refuse(f"--arms {' '.join(arms)}: scale reads {SMALL} and {LARGE}")
+    if unknown := set(arms or []) - {SMALL, LARGE}:
+        refuse(f"--arms {' '.join(sorted(unknown))}: scale reads {SMALL} and {LARGE}")
     runs, where = load_experiment(path, seeds, arms or [SMALL, LARGE], dial=False)
     ran = {s for cell in runs.get(LARGE, {}).values() for s, _, _ in cell}
     checked = {s: reaches(path, s) for s in sorted(ran)}
@@ -174,6 +175,8 @@ def main(argv=None):
                    help="scale (AMX hidden for the control), scale-own (the chip's own library) "
                         "or scale-fp16 (fp16 beside bf16)")
     args = parse_runs(p, argv)
+    if args.warm_starts and args.arms:  # a seed's row sets the larger beside the smaller
+        refuse("--warm-starts reads both arms' warm starts: drop --arms")
     if args.warm_starts:
         return write_json(args.out, warm_starts(args.path, args.seeds or [0]))
     out = read(args.path, args.seeds, args.plan, args.arms)

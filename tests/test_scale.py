@@ -169,13 +169,22 @@ def test_plan_scale_fp16_reads_fp16_against_bf16_alone(tmp_path):
     assert ratio["mean"] == pytest.approx(0.1) and ratio["range"] == pytest.approx([0.1, 0.1])
 
 
-def test_arms_reads_the_named_arm_alone_and_refuses_one_scale_does_not_read(tmp_path):
+def test_arms_reads_the_named_arm_alone_and_refuses_one_scale_does_not_read(tmp_path, capsys):
     """--arms gspo-engine: the larger GPT's runs in the folder are not read (its table, the same
-    numbers as with both arms); an arm scale does not read is refused, exit 2."""
+    numbers as with both arms); an arm scale does not read is refused, exit 2, the line naming
+    it alone; --arms with --warm-starts (a row is both arms) is refused before any reading."""
     root = folder(str(tmp_path))
     both = scale.read(root, None)["arms"]
     alone = scale.read(root, None, arms=["gspo-engine"])["arms"]
     assert list(alone) == ["gspo-engine"] and alone["gspo-engine"] == both["gspo-engine"]
     with pytest.raises(SystemExit) as e:
         scale.read(root, None, arms=["gspo"])
-    assert e.value.code == 2
+    assert e.value.code == 2 and capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        scale.read(root, None, arms=["gspo-engine", "gspo"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--arms gspo:" in err and "--arms gspo-engine" not in err
+    with pytest.raises(SystemExit) as e:
+        scale.main([root, "--warm-starts", "--arms", "gspo-engine",
+                    "--out", str(tmp_path / "w.json")])
+    assert e.value.code == 2 and not (tmp_path / "w.json").exists()
