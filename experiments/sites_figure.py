@@ -127,6 +127,8 @@ def overlap(cells, own=None):
         return None
     inside = {k: [f for a, f in r if lo <= a <= hi] for k, r in runs.items()}
     one, zero = inside["one-signed"], inside["zero-mean"]
+    if not any(one + zero):  # no run fell at one size (grpo): Fisher's p would test nothing
+        return None
     p = fisher_one_sided(sum(zero), len(zero), sum(one) + sum(zero), len(one) + len(zero))
     return {"window": [lo, hi], "one_signed": [sum(one), len(one)],
             "zero_mean": [sum(zero), len(zero)], "p_fisher_one_sided": p}

@@ -124,6 +124,8 @@ def test_fisher_and_the_overlap_by_hand():
     apart = {"bf16-noamx": {"step0_abs": [1e-4, 2e-4], "heldout": [0.9, 0.9]},
              "bf16-noamx-site-trunc": {"step0_abs": [3e-4, 4e-4], "heldout": [0.9, 0.9]}}
     assert sites_figure.overlap(apart) is None  # no size both kinds ran at
+    held = {v: {**c, "heldout": [0.9] * len(c["heldout"])} for v, c in cells.items()}
+    assert sites_figure.overlap(held) is None  # both kinds at one size, but no run fell
 
 
 def test_the_chips_own_library_is_classed_by_its_isa(tmp_path):
