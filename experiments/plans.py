@@ -120,6 +120,12 @@ PLANS["scale-own"] = [("gspo-engine-x8", ["bf16-trunc", "bf16", "bf16-trunc-site
 # own library, a seed's two before the next seed's (where plan scale-own ran, bf16's are there);
 # then the 0.9M GPT's pair, --arms gspo-engine (where plan sites ran, bf16's are there).
 PLANS["scale-fp16"] = [("gspo-engine-x8", ["bf16", "fp16"]), ("gspo-engine", ["bf16", "fp16"])]
+# The trainer's rounding at the two sites on the larger GPT (scale-sites.md), against the chip's
+# own library, as plan sites' bf16-site-* (variants.py): where it rounds, truncation and rne6 ask
+# sign or size, and the aligned trainer what the mismatch costs; where it truncates (AVX2 only),
+# truncation is the cheap fix. bf16 first (where plan scale-own or scale-fp16 ran, it is there).
+PLANS["scale-sites"] = [("gspo-engine-x8", ["bf16", "bf16-aligned", "bf16-site-trunc",
+                                            "bf16-site-rne6"])]
 
 def probed(name):
     """Whether mismatch.py --quick reads a run's policy: a PROBED arm's run of a probed variant

@@ -44,14 +44,16 @@ def folder(root):
     return root
 
 
-def relabel(root, before, after, dtype="bf16", m0=None):
+def relabel(root, before, after, dtype="bf16", m0=None, record=None):
     """folder's runs of variant BEFORE made AFTER's: BEFORE's record dropped from args.json, the
-    dtype set, and where m0 is given the metrics set again at that step-0 scale."""
+    dtype and AFTER's RECORD set, and where m0 is given the metrics set again at that step-0
+    scale."""
     for arm, cells in HELDOUT.items():
         for seed, acc in enumerate(cells.get(before, [])):
             run = os.path.join(root, f"{arm}-{before}-s{seed}")
             args = json.load(open(os.path.join(run, "args.json")))
-            json.dump({k: v for k, v in args.items() if k not in RECORDS[before]} | {"dtype": dtype},
+            kept = {k: v for k, v in args.items() if k not in RECORDS[before]}
+            json.dump(kept | {"dtype": dtype, **(record or {})},
                       open(os.path.join(run, "args.json"), "w"))
             if m0:
                 write_metrics(run, seed, acc, m0)
@@ -167,6 +169,26 @@ def test_plan_scale_fp16_reads_fp16_against_bf16_alone(tmp_path):
     assert only["p_holm"] == only["p_sign_flip"]  # one test: Holm leaves it as it is
     ratio = small["step0_ratios"]["fp16 / bf16"]
     assert ratio["mean"] == pytest.approx(0.1) and ratio["range"] == pytest.approx([0.1, 0.1])
+
+
+def test_plan_scale_sites_reads_the_aligned_trainer_and_the_sites_against_the_chips_bf16(tmp_path):
+    """Plan scale-sites' contrasts, each against bf16 (the chip's own library) by hand, and the
+    site rounding's step-0 ratio (its runs set at half bf16's mismatch); a plan variant with no
+    runs yet drops out of the table; plan scale-own on the same folder reads none of them."""
+    root = relabel(folder(str(tmp_path)), "bf16-noamx", "bf16")
+    relabel(root, "bf16-trunc", "bf16-aligned", record={"trainer_kernels": "engine"})
+    relabel(root, "bf16-trunc-site-trunc", "bf16-site-trunc", m0=5e-5,
+            record={"site_rounding": "trunc"})
+    small = scale.read(root, None, "scale-sites")["arms"]["gspo-engine"]
+    assert list(small["variants"]) == ["bf16", "bf16-aligned", "bf16-site-trunc"]  # no rne6 yet
+    pairs = {(t["a"], t["b"]): t for t in small["contrasts"]}
+    assert set(pairs) == {("bf16-aligned", "bf16"), ("bf16-site-trunc", "bf16")}
+    assert pairs[("bf16-aligned", "bf16")]["mean"] == pytest.approx((-0.75 - 0.06 - 0.64) / 3)
+    assert pairs[("bf16-site-trunc", "bf16")]["mean"] == pytest.approx((0.01 - 0.01 + 0.01) / 3)
+    assert list(small["step0_ratios"]) == ["bf16-site-trunc / bf16"]
+    ratio = small["step0_ratios"]["bf16-site-trunc / bf16"]
+    assert ratio["mean"] == pytest.approx(0.5) and ratio["range"] == pytest.approx([0.5, 0.5])
+    assert list(scale.read(root, None, "scale-own")["arms"]["gspo-engine"]["variants"]) == ["bf16"]
 
 
 def test_arms_reads_the_named_arm_alone_and_refuses_one_scale_does_not_read(tmp_path, capsys):
