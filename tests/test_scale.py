@@ -12,7 +12,9 @@ import scale
 MACHINE = {"cpu": "chip", "gpu": None, "cpu_isa": ["amx_tile"], "torch": "t", "vllm": "v", "host": "h"}
 RECORDS = {"bf16-noamx": {"kernel_library": "_C", "amx_hidden": True},
            "bf16-trunc": {"kernel_library": "_C_AVX512"},
-           "bf16-trunc-site-trunc": {"kernel_library": "_C_AVX512", "site_rounding": "trunc"}}
+           "bf16-trunc-site-trunc": {"kernel_library": "_C_AVX512", "site_rounding": "trunc"},
+           "bf16-aligned": {"trainer_kernels": "engine"},  # relabel's targets below
+           "bf16-site-trunc": {"site_rounding": "trunc"}}
 HELDOUT = {"gspo-engine": {"bf16-noamx": [0.95, 0.96, 0.94], "bf16-trunc": [0.2, 0.9, 0.3],
                            "bf16-trunc-site-trunc": [0.96, 0.95, 0.95]},
            "gspo-engine-x8": {"bf16-noamx": [0.97, 0.96, 0.98], "bf16-trunc": [0.96, 0.1, 0.97]}}
@@ -44,16 +46,16 @@ def folder(root):
     return root
 
 
-def relabel(root, before, after, dtype="bf16", m0=None, record=None):
+def relabel(root, before, after, dtype="bf16", m0=None):
     """folder's runs of variant BEFORE made AFTER's: BEFORE's record dropped from args.json, the
-    dtype and AFTER's RECORD set, and where m0 is given the metrics set again at that step-0
-    scale."""
+    dtype and AFTER's record (RECORDS, where it has one) set, and where m0 is given the metrics
+    set again at that step-0 scale."""
     for arm, cells in HELDOUT.items():
         for seed, acc in enumerate(cells.get(before, [])):
             run = os.path.join(root, f"{arm}-{before}-s{seed}")
             args = json.load(open(os.path.join(run, "args.json")))
             kept = {k: v for k, v in args.items() if k not in RECORDS[before]}
-            json.dump(kept | {"dtype": dtype, **(record or {})},
+            json.dump(kept | {"dtype": dtype, **RECORDS.get(after, {})},
                       open(os.path.join(run, "args.json"), "w"))
             if m0:
                 write_metrics(run, seed, acc, m0)
@@ -176,9 +178,8 @@ def test_plan_scale_sites_reads_the_aligned_trainer_and_the_sites_against_the_ch
     site rounding's step-0 ratio (its runs set at half bf16's mismatch); a plan variant with no
     runs yet drops out of the table; plan scale-own on the same folder reads none of them."""
     root = relabel(folder(str(tmp_path)), "bf16-noamx", "bf16")
-    relabel(root, "bf16-trunc", "bf16-aligned", record={"trainer_kernels": "engine"})
-    relabel(root, "bf16-trunc-site-trunc", "bf16-site-trunc", m0=5e-5,
-            record={"site_rounding": "trunc"})
+    relabel(root, "bf16-trunc", "bf16-aligned")
+    relabel(root, "bf16-trunc-site-trunc", "bf16-site-trunc", m0=5e-5)
     small = scale.read(root, None, "scale-sites")["arms"]["gspo-engine"]
     assert list(small["variants"]) == ["bf16", "bf16-aligned", "bf16-site-trunc"]  # no rne6 yet
     pairs = {(t["a"], t["b"]): t for t in small["contrasts"]}
