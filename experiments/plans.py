@@ -126,6 +126,9 @@ PLANS["scale-fp16"] = [("gspo-engine-x8", ["bf16", "fp16"]), ("gspo-engine", ["b
 # truncation is the cheap fix. bf16 first (where plan scale-own or scale-fp16 ran, it is there).
 PLANS["scale-sites"] = [("gspo-engine-x8", ["bf16", "bf16-aligned", "bf16-site-trunc",
                                             "bf16-site-rne6"])]
+# The size dial on the larger GPT (scale-rne5.md): where the engine rounds, a zero-mean error
+# twice rne6's at the op, beside plan scale-sites' bf16 and bf16-site-trunc (there, those).
+PLANS["scale-rne5"] = [("gspo-engine-x8", ["bf16", "bf16-site-trunc", "bf16-site-rne5"])]
 
 def probed(name):
     """Whether mismatch.py --quick reads a run's policy: a PROBED arm's run of a probed variant

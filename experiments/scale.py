@@ -14,7 +14,8 @@ the larger's must reach at least the smaller's before its runs count.
 Then the runs, their table and figure (on a chip without AMX whose own library rounds,
 --plan scale-own in both: that library, bf16, is the rounding control; --plan scale-fp16 in
 both: fp16 beside bf16, scale-fp16.md; --plan scale-sites on any chip without AMX: the aligned
-trainer and the trainer's rounding at the two sites beside the chip's bf16, scale-sites.md):
+trainer and the trainer's rounding at the two sites beside the chip's bf16, scale-sites.md;
+--plan scale-rne5 where the engine rounds: a larger zero-mean error, scale-rne5.md):
 
     nohup python experiments/campaign.py --plan scale --seeds 0 1 2 3 4 > runs/scale.log &
     python experiments/scale.py $M --seeds 0 1 2 3 4 --out figures/scale-intel-amx.png
@@ -26,7 +27,7 @@ larger GPT's are the pre-registered family (scale.md); then each fall's growth o
 on the rows before its step (sites_figure.print_growth). The figure: a panel per arm, each
 seed's held-out by variant, a dot sized by that run's step-0 mean |d|. --arms reads one arm
 alone (its numbers as beside the other); --warm-starts reads both, a seed's row the pair.
-Pages: experiments/scale.md, experiments/scale-fp16.md, experiments/scale-sites.md.
+Pages: experiments/scale.md, scale-fp16.md, scale-sites.md, scale-rne5.md.
 """
 import os
 import subprocess
@@ -59,7 +60,10 @@ FAMILIES = {"scale": rounding_family("bf16-noamx"), "scale-own": rounding_family
             # size against truncation's, the two the same size at the op (sites.md)
             "scale-sites": ([("bf16-aligned", "bf16"), ("bf16-site-trunc", "bf16"),
                              ("bf16-site-rne6", "bf16")],
-                            [("bf16-site-trunc", "bf16"), ("bf16-site-rne6", "bf16-site-trunc")])}
+                            [("bf16-site-trunc", "bf16"), ("bf16-site-rne6", "bf16-site-trunc")]),
+            # the size dial: a zero-mean error larger than rne6's, against bf16 (scale-rne5.md)
+            "scale-rne5": ([("bf16-site-rne5", "bf16")],
+                           [("bf16-site-rne5", "bf16-site-trunc"), ("bf16-site-rne5", "bf16")])}
 
 def step0_ratios(cells, pairs):
     """Each pair's step-0 mean |d|, the first's over the second's, seed by seed: mean, range."""
@@ -179,8 +183,9 @@ def main(argv=None):
     p.add_argument("--warm-starts", action="store_true", help="the warm starts' table alone")
     p.add_argument("--plan", choices=FAMILIES, default="scale",
                    help="scale (AMX hidden for the control), scale-own (the chip's own library), "
-                        "scale-fp16 (fp16 beside bf16) or scale-sites (the aligned trainer and "
-                        "the trainer's rounding at the two sites beside bf16)")
+                        "scale-fp16 (fp16 beside bf16), scale-sites (the aligned trainer and "
+                        "the trainer's rounding at the two sites beside bf16) or scale-rne5 "
+                        "(a zero-mean error larger than rne6's)")
     args = parse_runs(p, argv)
     if args.warm_starts and args.arms:  # a seed's row sets the larger beside the smaller
         refuse("--warm-starts reads both arms' warm starts: drop --arms")

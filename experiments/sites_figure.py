@@ -192,27 +192,29 @@ def figure(out):
     machine_title(fig, out["machine"])
     return fig
 
-def matched(path):
+def matched(path, folder="sites"):
     """The matched-size check: anatomy.py's bf16 row for each mode of the trainer against each
     engine, on one set of tokens; each mean |d| over two sizes: the trainer's trunc against
     the rounding engine (the ablation's), and the truncating engine against the rounding
     trainer (the size that fell); where off by more than 15 % of the first, the factor its
-    error would need."""
+    error would need. The readings in path/folder: sites (the 0.9M GPT's warm start, seed 0),
+    scale-sites (the 7M GPT's, scale-sites.md)."""
     rows = {}
-    for f in sorted(glob.glob(os.path.join(path, "sites", "*.json"))):
+    for f in sorted(glob.glob(os.path.join(path, folder, "*.json"))):
         r = load_json(f, "anatomy.py --site-rounding MODE --json F")
         if r.get("experiment") != "anatomy":  # sites.py --cost's JSON lives beside them
             continue
         engine = "truncating" if r["kernel_library"] != "_C" else "rounding"
         rows[(engine, r["site_rounding"])] = {**r["variants"]["bf16"],
-                                              "tokens": r["tokens_sha1"],
+                                              "tokens": (r["checkpoint"], r["tokens_sha1"]),
                                               "library": r["kernel_library"]}
     refs = [("rounding", "trunc"), ("truncating", "rne")]
     if len({r["tokens"] for r in rows.values()}) != 1 or not all(k in rows for k in refs):
-        refuse(f"{path}/sites/: not one set of tokens, or no {refs} rows")
+        refuse(f"{path}/{folder}/: not one checkpoint's tokens, or no {refs} rows")
     site, fell = (rows[k]["logp_abs_mean"] for k in refs)
-    print(f"\nbf16 on seed 0's warm start, {len(rows)} readings of the same tokens (sha1 "
-          f"{next(iter(rows.values()))['tokens']}): mean |d| over the trainer's trunc against "
+    ckpt, sha = next(iter(rows.values()))["tokens"]
+    print(f"\nbf16 on {ckpt}, {len(rows)} readings of the same tokens (sha1 "
+          f"{sha}): mean |d| over the trainer's trunc against "
           "the rounding engine, and over the truncating engine against the rounding trainer\n")
     print("| engine | trainer's sites | mean \\|d\\| | signed mean d | over trunc's | to match: x | "
           "over the engine's truncation |\n|---|---|---|---|---|---|---|")
@@ -226,17 +228,18 @@ def matched(path):
                                    "over_site_trunc": d / site, "over_engine_trunc": d / fell}
         print(f"| {engine} ({r['library']}) | {mode} | {d:.3e} | {r['signed_mean']:+.2e} | "
               f"{d / site:.2f} | {needs} | {d / fell:.2f} |")
-    return {"tokens_sha1": next(iter(rows.values()))["tokens"], "rows": out}
+    return {"checkpoint": ckpt, "tokens_sha1": sha, "rows": out}
 
 def main(argv=None):
     p = with_variants(runs_parser("size or sign: plan sites's runs, or the matched-size check "
                                   "(docstring)"))
-    p.add_argument("--matched", action="store_true", help="the matched-size table alone")
+    p.add_argument("--matched", nargs="?", const="sites", default=None, metavar="FOLDER",
+                   help="the matched-size table alone, of PATH/FOLDER's readings (sites)")
     p.add_argument("--arm", default=ARM, choices=[ARM, "grpo"], help="plan sites, sites-grpo")
     args = parse_runs(p, argv)
     if args.matched:
         from common import write_json
-        return write_json(args.out, matched(args.path))
+        return write_json(args.out, matched(args.path, args.matched))
     if unknown := set(args.variants or ()) - set(ORDER):
         refuse(f"--variants: {' '.join(sorted(unknown))} in no plan sites or sites-grpo")
     out = read(args.path, args.seeds, args.arm, args.variants)

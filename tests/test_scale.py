@@ -14,7 +14,7 @@ RECORDS = {"bf16-noamx": {"kernel_library": "_C", "amx_hidden": True},
            "bf16-trunc": {"kernel_library": "_C_AVX512"},
            "bf16-trunc-site-trunc": {"kernel_library": "_C_AVX512", "site_rounding": "trunc"},
            "bf16-aligned": {"trainer_kernels": "engine"},  # relabel's targets below
-           "bf16-site-trunc": {"site_rounding": "trunc"}}
+           "bf16-site-trunc": {"site_rounding": "trunc"}, "bf16-site-rne5": {"site_rounding": "rne5"}}
 HELDOUT = {"gspo-engine": {"bf16-noamx": [0.95, 0.96, 0.94], "bf16-trunc": [0.2, 0.9, 0.3],
                            "bf16-trunc-site-trunc": [0.96, 0.95, 0.95]},
            "gspo-engine-x8": {"bf16-noamx": [0.97, 0.96, 0.98], "bf16-trunc": [0.96, 0.1, 0.97]}}
@@ -190,6 +190,22 @@ def test_plan_scale_sites_reads_the_aligned_trainer_and_the_sites_against_the_ch
     ratio = small["step0_ratios"]["bf16-site-trunc / bf16"]
     assert ratio["mean"] == pytest.approx(0.5) and ratio["range"] == pytest.approx([0.5, 0.5])
     assert list(scale.read(root, None, "scale-own")["arms"]["gspo-engine"]["variants"]) == ["bf16"]
+
+
+def test_plan_scale_rne5_reads_the_size_dial_against_bf16_alone_and_its_size_over_truncations(tmp_path):
+    """Plan scale-rne5: one contrast, rne5 - bf16, by hand (Holm over one: the nominal p), and rne5's
+    step-0 size over site-trunc's and over bf16's (rne5 set at 2x bf16's mismatch, trunc at 0.5x)."""
+    root = relabel(folder(str(tmp_path)), "bf16-noamx", "bf16")
+    relabel(root, "bf16-trunc", "bf16-site-rne5", m0=2e-4)
+    relabel(root, "bf16-trunc-site-trunc", "bf16-site-trunc", m0=5e-5)
+    small = scale.read(root, None, "scale-rne5")["arms"]["gspo-engine"]
+    assert list(small["variants"]) == ["bf16", "bf16-site-trunc", "bf16-site-rne5"]
+    (test,) = small["contrasts"]
+    assert (test["a"], test["b"]) == ("bf16-site-rne5", "bf16") and test["p_holm"] == test["p_sign_flip"]
+    assert test["mean"] == pytest.approx((-0.75 - 0.06 - 0.64) / 3)
+    ratios = small["step0_ratios"]
+    assert ratios["bf16-site-rne5 / bf16-site-trunc"]["mean"] == pytest.approx(4.0)
+    assert ratios["bf16-site-rne5 / bf16"]["range"] == pytest.approx([2.0, 2.0])
 
 
 def test_arms_reads_the_named_arm_alone_and_refuses_one_scale_does_not_read(tmp_path, capsys):

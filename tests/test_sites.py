@@ -28,6 +28,10 @@ def test_each_mode_by_hand():
         out = sites.round_to_bf16(x, mode)
         assert out.dtype == torch.bfloat16 and out[:3].float().tolist() == values, mode
         assert out[3].isnan() and out[4].isinf()
+    between = torch.tensor([1 + 5 * 2 ** -8, -(1 + 5 * 2 ** -8)])  # 2.5 ulp: 1.25 at 6 bits, 0.625 at 5
+    assert sites.round_to_bf16(between, "rne6").float().tolist() == [1 + 2 ** -6, -(1 + 2 ** -6)]
+    assert sites.round_to_bf16(between, "rne5").float().tolist() == [1 + 2 ** -5, -(1 + 2 ** -5)]
+    assert sites.round_to_bf16(x, "rne5").float()[:3].tolist() == [1.0, -1.0, 1.0]
     sym = sites.round_to_bf16(x, "sym").float()[:2].abs().tolist()
     assert all(v in (1.0, UP) for v in sym)
     nan_payloads = torch.tensor([0x7F800001, 0x7FFFFFFF, -1], dtype=torch.int32).view(torch.float32)
@@ -38,12 +42,12 @@ def test_each_mode_by_hand():
 def test_each_modes_error_has_the_tables_mean_and_mean_abs():
     """On 10^6 random floats spread over magnitudes, in ulps of bf16 at each value: rne 1/4 ulp
     of |error|, every other mode 1/2; trunc shrinks sizes by 1/2 ulp on average, away grows
-    them by 1/2, rne6 and sym leave them unbiased."""
+    them by 1/2, rne6 and sym leave them unbiased; rne5, the size dial, 1 ulp and unbiased."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(10 ** 6, generator=g) * torch.exp(2 * torch.randn(10 ** 6, generator=g))
     ulp = torch.pow(2.0, torch.floor(torch.log2(x.abs())) - 7)
     want = {"rne": (0.0, 0.25), "trunc": (-0.5, 0.5), "away": (0.5, 0.5), "rne6": (0.0, 0.5),
-            "sym": (0.0, 0.5)}
+            "sym": (0.0, 0.5), "rne5": (0.0, 1.0)}
     for mode, (size, mean_abs) in want.items():
         r = sites.round_to_bf16(x, mode).float()
         assert ((r.abs() - x.abs()) / ulp).mean().item() == pytest.approx(size, abs=0.01), mode

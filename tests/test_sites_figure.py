@@ -61,8 +61,9 @@ def test_the_table_by_hand(tmp_path, capsys):
     assert "s0: 4.0x (step 3)" in printed
 
 
-def anatomy(path, library, mode, size, signed=0.0, sha="abc"):
-    json.dump({"experiment": "anatomy", "kernel_library": library, "site_rounding": mode, "tokens_sha1": sha,
+def anatomy(path, library, mode, size, signed=0.0, sha="abc", ckpt="runs/warmstart/w0"):
+    json.dump({"experiment": "anatomy", "kernel_library": library, "site_rounding": mode,
+               "checkpoint": ckpt, "tokens_sha1": sha,
                "variants": {"bf16": {"logp_abs_mean": size, "signed_mean": signed}}}, open(path, "w"))
 
 
@@ -81,6 +82,22 @@ def test_the_matched_size_table_by_hand_and_one_set_of_tokens(tmp_path, capsys):
     anatomy(tmp_path / "sites" / "noamx-sym.json", "_C", "sym", 2.8e-4, sha="other")
     with pytest.raises(SystemExit) as e:  # readings of other tokens are not one table
         sites_figure.matched(str(tmp_path))
+    assert e.value.code == 2
+
+
+def test_the_matched_size_table_of_another_folder_is_one_checkpoints(tmp_path, capsys):
+    """--matched scale-sites: the 7M GPT's readings, apart from the 0.9M GPT's in sites/."""
+    for folder, size in (("sites", 3e-4), ("scale-sites", 1.5e-4)):
+        os.makedirs(tmp_path / folder)
+        anatomy(tmp_path / folder / "own-trunc.json", "_C", "trunc", size, ckpt=folder)
+        anatomy(tmp_path / folder / "trunc-rne.json", "_C_AVX512", "rne", 2 * size, ckpt=folder)
+    out = sites_figure.matched(str(tmp_path), "scale-sites")
+    assert out["checkpoint"] == "scale-sites"
+    assert out["rows"]["rounding-trunc"]["logp_abs_mean"] == 1.5e-4
+    assert out["rows"]["truncating-rne"]["over_site_trunc"] == pytest.approx(2.0)
+    anatomy(tmp_path / "scale-sites" / "own-rne6.json", "_C", "rne6", 1e-4, ckpt="other")
+    with pytest.raises(SystemExit) as e:  # the same tokens' digest from other weights: refused
+        sites_figure.matched(str(tmp_path), "scale-sites")
     assert e.value.code == 2
 
 
