@@ -17,7 +17,7 @@ cast's: the gradient cast back to float32, unchanged):
 So the four after rne have the same mean |error| at the op, and only the sign's structure
 differs: trunc and away one-signed in size, rne6 and sym zero-mean. rne5 is a size dial:
 zero-mean at twice their error, for where one-signed errors add up to a larger token mismatch
-than zero-mean ones of the same size at the op (the 7M GPT, scale-sites.md).
+than zero-mean ones of the same size at the op (the 7M GPT, scale-rne5.md).
 
     python experiments/campaign.py --arms gspo-engine --variants bf16-site-trunc --seeds 0 1
 
@@ -140,8 +140,9 @@ def use(mode):
 def cost(seed=0, rounds=4):
     """The cheap fix's price: seconds of one forward + backward of the bf16 trainer on 512
     teacher-forced held-out sequences of seed's warm start (256 problems, their answers, twice),
-    as it is, with each of plan sites' four site modes, and on the engine's kernels (aligned); rounds over the
-    modes after a warm-up round, so drift hits every mode alike; the median of the rest."""
+    as it is, with each of plan sites' four site modes, and on the engine's kernels (aligned);
+    rounds over the modes after a warm-up round, so drift hits every mode alike; the median of
+    the rest."""
     import task
     from mismatch import time_fwd_bwd
     from warm_start import model_config, warm_start

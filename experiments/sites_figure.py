@@ -198,7 +198,7 @@ def matched(path, folder="sites"):
     the rounding engine (the ablation's), and the truncating engine against the rounding
     trainer (the size that fell); where off by more than 15 % of the first, the factor its
     error would need. The readings in path/folder: sites (the 0.9M GPT's warm start, seed 0),
-    scale-sites (the 7M GPT's, scale-sites.md)."""
+    scale-sites (the 7M GPT's), sites-rne5 (the 0.9M GPT's again, with rne5; scale-rne5.md)."""
     rows = {}
     for f in sorted(glob.glob(os.path.join(path, folder, "*.json"))):
         r = load_json(f, "anatomy.py --site-rounding MODE --json F")
@@ -213,9 +213,9 @@ def matched(path, folder="sites"):
         refuse(f"{path}/{folder}/: not one checkpoint's tokens, or no {refs} rows")
     site, fell = (rows[k]["logp_abs_mean"] for k in refs)
     ckpt, sha = next(iter(rows.values()))["tokens"]
-    print(f"\nbf16 on {ckpt}, {len(rows)} readings of the same tokens (sha1 "
-          f"{sha}): mean |d| over the trainer's trunc against "
-          "the rounding engine, and over the truncating engine against the rounding trainer\n")
+    print(f"\nbf16 on {ckpt}, {len(rows)} readings of the same tokens (sha1 {sha}): mean |d| "
+          "over the trainer's trunc against the rounding engine, and over the truncating engine "
+          "against the rounding trainer\n")
     print("| engine | trainer's sites | mean \\|d\\| | signed mean d | over trunc's | to match: x | "
           "over the engine's truncation |\n|---|---|---|---|---|---|---|")
     out = {}

@@ -164,7 +164,7 @@ for _mode in SITE_MODES:
     add(Variant(f"bf16-site-{_mode}", BF16, site_rounding=_mode, lacks=("amx_tile",),
                 needs=() if _mode in ("trunc", "rne6") else ("avx512_bf16",),
                 color=SITE_COLORS[_mode]))
-# The size dial on the 7M GPT (scale-sites.md): there rne6 and sym made about 0.6x the token
+# The size dial on the 7M GPT (scale-rne5.md): there rne6 and sym made about 0.6x the token
 # mismatch trunc made, so a zero-mean error of twice their size at the op, 5 kept bits.
 add(Variant("bf16-site-rne5", BF16, site_rounding="rne5", lacks=("amx_tile",),
             needs=("avx512_bf16",), color="olivedrab"))
