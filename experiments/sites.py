@@ -29,8 +29,14 @@ NaN (quiet), infinities stay infinite. The cheap fix's price, a timing (the camp
 
     python experiments/sites.py --cost --json results/MACHINE/sites/cost.json
 
+Where each mode's error grows in the trainer, block by block, against float32 (no engine):
+
+    python experiments/sites.py --layers --init CKPT --json results/MACHINE/scale-sites/layers.json
+
 Page: experiments/sites.md.
 """
+import os
+
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -137,22 +143,39 @@ def use(mode):
         return None
     return install(mode)
 
+def teacher_forced(seed, n_items=12):
+    """(idx, mask) of seed's 256 held-out problems with their answers, twice (512 sequences):
+    the trainer on fixed tokens, no engine (train_grpo's default task, budget 2 x 12 + 8)."""
+    import task
+    problems = task.make_splits(seed, n_items, task.N_EVAL)[0] * 2
+    return model.pack([task.prompt_ids(p) for p, _ in problems],
+                      [task.answer_ids(a) for _, a in problems], "cpu")[:2]
+
+def layers(ckpt, seed=0):
+    """Where each mode's error grows: the bf16 trainer's RMS error against float32 over RMS
+    after each block, the final norm and the logits (offline.layer_errors), in every mode, on
+    seed's teacher-forced held-out sequences of a checkpoint. A one-signed error that adds up
+    over the blocks grows faster than a zero-mean one of the same size at the op."""
+    from offline import layer_errors
+
+    idx, mask = teacher_forced(seed)
+    gpt, out = model.load_hf(ckpt, "cpu"), {}
+    for mode in MODES:
+        use(None if mode == "rne" else mode)
+        out[mode] = layer_errors(gpt, ["bf16"], idx, mask, "cpu")["bf16"]
+    use(None)
+    return out
+
 def cost(seed=0, rounds=4):
     """The cheap fix's price: seconds of one forward + backward of the bf16 trainer on 512
     teacher-forced held-out sequences of seed's warm start (256 problems, their answers, twice),
     as it is, with each of plan sites' four site modes, and on the engine's kernels (aligned);
     rounds over the modes after a warm-up round, so drift hits every mode alike; the median of
     the rest."""
-    import task
     from mismatch import time_fwd_bwd
-    from warm_start import model_config, warm_start
 
-    n_items = 12  # train_grpo's default task, its default budget 2 x 12 + 8
-    cfg = model_config(n_items, 2 * n_items + 8)
-    problems = task.make_splits(seed, n_items, task.N_EVAL)[0] * 2
-    idx, _, _ = model.pack([task.prompt_ids(p) for p, _ in problems],
-                           [task.answer_ids(a) for _, a in problems], "cpu")
-    gpt = model.load_hf(warm_start(cfg, n_items, seed, "cpu"), "cpu")
+    idx, _ = teacher_forced(seed)
+    gpt = model.load_hf(default_warm_start(seed), "cpu")
     modes = [(None, "bf16"), *((m, "bf16") for m in SITE_MODES), (None, "bf16-aligned")]
     times = []
     for _ in range(rounds):
@@ -165,17 +188,42 @@ def cost(seed=0, rounds=4):
     names = ["bf16", *(f"bf16-site-{m}" for m in SITE_MODES), "bf16-aligned"]
     return {n: sorted(t[i] for t in times[1:])[len(times[1:]) // 2] for i, n in enumerate(names)}
 
+def default_warm_start(seed, n_items=12):
+    """seed's warm start of the default GPT (trained unless cached, as train_grpo.py would)."""
+    from warm_start import model_config, warm_start
+    return warm_start(model_config(n_items, 2 * n_items + 8), n_items, seed, "cpu")
+
+def print_layers(errors):
+    n = len(errors["rne"])
+    print(f"\nthe bf16 trainer against float32, RMS error / RMS: blocks 1-{n - 2}, the final "
+          "norm, the logits; each mode's over trunc's in the last block\n")
+    for mode, e in errors.items():
+        print(f"{mode:6} {' '.join(f'{x:.2e}' for x in e)}  {e[-3] / errors['trunc'][-3]:.2f}x")
+
 def main(argv=None):
     from instruments import machine
 
-    p = common.parser("the cheap fix's price: the bf16 trainer's step with each site mode")
+    p = common.parser("the cheap fix's price, or where each site mode's error grows")
     p.add_argument("--cost", action="store_true", help="time forward + backward, each mode")
+    p.add_argument("--layers", action="store_true", help="each mode's error after each block")
+    p.add_argument("--init", default=None, help="--layers: a checkpoint (the warm start)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="also write the times here")
+    p.add_argument("--json", default=None, help="also write the times (errors) here")
     args = p.parse_args(argv)
     common.writable(args.json)
+    if args.init and not os.path.isfile(os.path.join(args.init, "config.json")):
+        common.refuse(f"--init {args.init}: no checkpoint there (config.json)")
+    if args.layers:
+        ckpt = args.init or default_warm_start(args.seed)
+        errors = layers(ckpt, args.seed)
+        print_layers(errors)
+        if args.json:
+            common.write_json(args.json, {"experiment": "sites-layers", "machine": machine(),
+                                          "checkpoint": ckpt, "seed": args.seed,
+                                          "layers": errors})
+        return errors
     if not args.cost:
-        common.refuse("nothing to do: --cost (sites.py is otherwise a module: install(mode))")
+        common.refuse("nothing to do: --cost or --layers (otherwise a module: install(mode))")
     seconds = cost(args.seed)
     for name, s in seconds.items():
         print(f"{name:18} {s:6.3f} s  {s / seconds['bf16']:5.2f}x bf16's")

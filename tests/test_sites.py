@@ -131,3 +131,16 @@ def test_the_backward_is_a_casts():
         x.grad = None
         (sites.RoundAt.apply(x, mode).float() * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
         assert x.grad.tolist() == [1.0, 2.0, 3.0] and x.grad.dtype == torch.float32, mode
+
+
+def test_layers_reads_every_mode_block_by_block_and_leaves_the_trainer_as_it_was(random_ckpt, restore):
+    """sites.layers: each mode's error against float32 after every block, the norm and the logits;
+    rne's is the plain bf16 trainer's (offline.layer_errors), truncation's the larger at the first
+    block, rne5's (twice the op error) larger than rne6's; the trainer's names restored after."""
+    from offline import layer_errors
+    errors = sites.layers(random_ckpt)
+    gpt = model.load_hf(random_ckpt, "cpu")
+    assert list(errors) == list(sites.MODES) and all(len(e) == gpt.cfg.n_layer + 2 for e in errors.values())
+    assert errors["rne"] == layer_errors(gpt, ["bf16"], *sites.teacher_forced(0), "cpu")["bf16"]
+    assert errors["trunc"][0] > errors["rne"][0] and errors["rne5"][0] > errors["rne6"][0]
+    assert precision.TensorCoreMatmuls is sites.ORIGINAL["trainer"] and model.apply_rope is sites.ORIGINAL["rope"]
