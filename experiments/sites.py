@@ -154,8 +154,8 @@ def teacher_forced(seed, n_items=12):
 def layers(ckpt, seed=0):
     """Where each mode's error grows: the bf16 trainer's RMS error against float32 over RMS
     after each block, the final norm and the logits (offline.layer_errors), in every mode, on
-    seed's teacher-forced held-out sequences of a checkpoint. A one-signed error that adds up
-    over the blocks grows faster than a zero-mean one of the same size at the op."""
+    seed's teacher-forced held-out sequences of a checkpoint. It asks whether a one-signed
+    error adds up over the blocks faster than a zero-mean one of its size at the op."""
     from offline import layer_errors
 
     idx, mask = teacher_forced(seed)
