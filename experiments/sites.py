@@ -35,8 +35,6 @@ Where each mode's error grows in the trainer, block by block, against float32 (n
 
 Page: experiments/sites.md.
 """
-import os
-
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -211,8 +209,10 @@ def main(argv=None):
     p.add_argument("--json", default=None, help="also write the times (errors) here")
     args = p.parse_args(argv)
     common.writable(args.json)
-    if args.init and not os.path.isfile(os.path.join(args.init, "config.json")):
-        common.refuse(f"--init {args.init}: no checkpoint there (config.json)")
+    try:  # model.read_config's check, as offline.parse makes it: one line before any work
+        model.read_config(args.init) if args.init else None
+    except ValueError as e:
+        common.refuse(f"--init: {e}")
     if args.layers:
         ckpt = args.init or default_warm_start(args.seed)
         errors = layers(ckpt, args.seed)
