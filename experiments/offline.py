@@ -81,26 +81,32 @@ def prefill(llm, samples, device):
     columns = [[getattr(s, k) for s in samples] for k in ("prompt_ids", "response_ids")]
     return pack(*columns, device, lps)[2]
 
-def layer_errors(model, modes, idx, mask, device):
-    """Where a trainer mode's error enters: its residual stream after each block, the final
-    norm's output and the logits against the float32 forward's on the same tokens, as RMS of
-    the difference over RMS of the float32 value (response positions). The aligned modes
-    compute what the engine computes: the engine's own error, layer by layer."""
+def activations(model, mode, idx, device):
+    """A mode's forward on idx, as float32 copies: the residual stream after each block, the
+    final norm's output and the logits (hooks; the aligned modes fire them too: aligned.py)."""
+    seen, layers = [], (*model.layers, model.norm)
+    hooks = [m.register_forward_hook(lambda m, i, o: seen.append(o.float())) for m in layers]
+    forward = model if mode == "fp32" else precision_of(mode, device).logits_fn(model)
+    with torch.no_grad():
+        seen.append(forward(idx[:, :-1]).float())
+    [h.remove() for h in hooks]
+    return seen
 
-    def activations(mode):
-        seen, layers = [], (*model.layers, model.norm)
-        hooks = [m.register_forward_hook(lambda m, i, o: seen.append(o.float())) for m in layers]
-        forward = model if mode == "fp32" else precision_of(mode, device).logits_fn(model)
-        with torch.no_grad():
-            seen.append(forward(idx[:, :-1]).float())
-        [h.remove() for h in hooks]
-        return seen
-
+def relative(acts, ref, mask, scale=None):
+    """RMS of acts - ref over RMS of scale (by default ref), each layer, response positions; in
+    double, since differences of 1e-3 of the value are the subject."""
     def rms(x):
         return x[mask.bool()].double().pow(2).mean().sqrt().item()
 
-    ref = activations("fp32")
-    return {mode: [rms(a - r) / rms(r) for a, r in zip(activations(mode), ref)] for mode in modes}
+    return [rms(a - r) / rms(s) for a, r, s in zip(acts, ref, scale or ref)]
+
+def layer_errors(model, modes, idx, mask, device):
+    """Where a trainer mode's error enters: its residual stream after each block, the final
+    norm's output and the logits against the float32 forward's on the same tokens, as RMS of the
+    difference over RMS of the float32 value (response positions). The aligned modes compute
+    what the engine computes: the engine's own error, layer by layer."""
+    ref = activations(model, "fp32", idx, device)
+    return {mode: relative(activations(model, mode, idx, device), ref, mask) for mode in modes}
 
 def flat_grad(model, loss):
     """The gradient of `loss` in the float32 master weights, as one vector."""

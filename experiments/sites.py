@@ -33,6 +33,13 @@ Where each mode's error grows in the trainer, block by block, against float32 (n
 
     python experiments/sites.py --layers --init CKPT --json results/MACHINE/scale-sites/layers.json
 
+and, with --engine, how it combines with the engine's own (the aligned trainer on the library
+loaded, --library to force one): d block by block, the share of the two errors that cancels,
+and the answer tokens' log-prob mismatch, the last link, where the policy's unsure positions
+weigh most:
+
+    python experiments/sites.py --layers --engine --init CKPT --json F
+
 Page: experiments/sites.md.
 """
 import torch
@@ -41,6 +48,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 import common  # first: it puts the core (model.py, precision.py) on the path
 import model
 import precision
+import rounding
 from variants import SITE_MODES, SITE_ROUNDING as MODES
 
 LOW = 0xFFFF  # the 16 bits a bf16 drops from a float32
@@ -149,20 +157,60 @@ def teacher_forced(seed, n_items=12):
     return model.pack([task.prompt_ids(p) for p, _ in problems],
                       [task.answer_ids(a) for _, a in problems], "cpu")[:2]
 
-def layers(ckpt, seed=0):
+def layers(ckpt, seed=0, engine=False):
     """Where each mode's error grows: the bf16 trainer's RMS error against float32 over RMS
-    after each block, the final norm and the logits (offline.layer_errors), in every mode, on
-    seed's teacher-forced held-out sequences of a checkpoint. It asks whether a one-signed
-    error adds up over the blocks faster than a zero-mean one of its size at the op."""
-    from offline import layer_errors
+    after each block, the final norm and the logits (offline.layer_errors' measure), in every
+    mode, on seed's teacher-forced held-out sequences of a checkpoint: {"fp32": {mode: errors}}.
+    It asks whether a one-signed error adds up over the blocks faster than a zero-mean one of
+    its size at the op. With engine, how the trainer's error combines with the engine's: the
+    engine's own (the aligned trainer: its kernels, the library loaded) against float32, and
+    each mode's difference from it, d, both over float32's RMS, so that at each layer
+    d^2 = e_trainer^2 + e_engine^2 - 2 rho e_trainer e_engine (rho: how much of their errors
+    they share; combined())."""
+    from offline import activations, relative
 
     idx, mask = teacher_forced(seed)
-    gpt, out = model.load_hf(ckpt, "cpu"), {}
+    gpt = model.load_hf(ckpt, "cpu")
+    use(None)
+    fp32 = activations(gpt, "fp32", idx, "cpu")
+    ref = activations(gpt, "bf16-aligned", idx, "cpu") if engine else None
+    out = {"fp32": {}, "engine": {}, "tokens": {}} if engine else {"fp32": {}}
     for mode in MODES:
         use(None if mode == "rne" else mode)
-        out[mode] = layer_errors(gpt, ["bf16"], idx, mask, "cpu")["bf16"]
+        trainer = activations(gpt, "bf16", idx, "cpu")
+        out["fp32"][mode] = relative(trainer, fp32, mask)
+        if engine:
+            out["engine"][mode] = relative(trainer, ref, mask, fp32)
+            out["tokens"][mode] = tokens(trainer[-1], ref[-1], idx, mask)
     use(None)
+    if engine:
+        out["engine_error"] = relative(ref, fp32, mask)
     return out
+
+TOP = 0.01  # tokens(): the share of the mismatch in this fraction of positions, its largest
+
+def tokens(logits, ref, idx, mask):
+    """The last link, logits to the answer token's log-prob (log-softmax in float64: the
+    differences are 1e-4 of values near 0), against ref's: mean |d| a token, the share of its
+    sum in the TOP of positions where it is largest, and mean |d| of the token's logit margin
+    over ref's runner-up (every position weighted alike, where d weights each by how unsure
+    the policy is there: d ~ p(runner-up) x the margin's error when p(token) ~ 1)."""
+    def at(z, tok):
+        return z.double().gather(-1, tok.unsqueeze(-1)).squeeze(-1)[mask.bool()]
+
+    target = idx[:, 1:]
+    top2 = ref.topk(2, dim=-1).indices
+    runner = torch.where(top2[..., 0] == target, top2[..., 1], top2[..., 0])
+    d = (at(ref.log_softmax(-1), target) - at(logits.log_softmax(-1), target)).abs()
+    margin = (at(ref, target) - at(ref, runner)) - (at(logits, target) - at(logits, runner))
+    top = d.sort(descending=True).values[:max(1, round(TOP * len(d)))]
+    return {"mean_abs": d.mean().item(), "top_share": (top.sum() / d.sum()).item(),
+            "margin_abs": margin.abs().mean().item()}
+
+def combined(e_trainer, e_engine, d):
+    """rho at each layer: the share of the two errors that cancels in d (1: the same error on
+    both sides, d = 0 if also the same size; 0: independent, d^2 the sum of the squares)."""
+    return [(t * t + e * e - x * x) / (2 * t * e) for t, e, x in zip(e_trainer, e_engine, d)]
 
 def cost(seed=0, rounds=4):
     """The cheap fix's price: seconds of one forward + backward of the bf16 trainer on 512
@@ -198,6 +246,42 @@ def print_layers(errors):
     for mode, e in errors.items():
         print(f"{mode:6} {' '.join(f'{x:.2e}' for x in e)}  {e[-3] / errors['trunc'][-3]:.2f}x")
 
+def print_engine(out, library):
+    """d (trainer minus engine) layer by layer, and rho in the last block."""
+    e_engine, d = out["engine_error"], out["engine"]
+    print(f"\nthe engine's kernels ({library}) against float32:\n"
+          f"engine {' '.join(f'{x:.2e}' for x in e_engine)}\n\nd, the bf16 trainer against the "
+          "engine's kernels, RMS / float32's RMS; in the last block its size over trunc's, and "
+          "rho (the share of the errors that cancels)\n")
+    for mode, x in d.items():
+        rho = combined(out["fp32"][mode], e_engine, x)[-3]
+        print(f"{mode:6} {' '.join(f'{v:.2e}' for v in x)}  {x[-3] / d['trunc'][-3]:.2f}x  "
+              f"rho {rho:+.3f}")
+    t, trunc = out["tokens"], out["tokens"]["trunc"]
+    print(f"\nthe answer tokens' log-probs against the engine's kernels: mean |d| a token, the "
+          f"share of it in the {TOP:.0%} of positions where it is largest, the runner-up margin's "
+          "mean |d|; each over trunc's\n")
+    for mode, r in t.items():
+        print(f"{mode:6} {r['mean_abs']:.3e} ({r['mean_abs'] / trunc['mean_abs']:.2f}x)  "
+              f"top {r['top_share']:.2f}  margin {r['margin_abs']:.3e} "
+              f"({r['margin_abs'] / trunc['margin_abs']:.2f}x)")
+
+def read_layers(args, host):
+    """--layers: the reading printed, and written with --json (the engine's keys with --engine)."""
+    library = rounding.load(args.library) if args.engine else None  # before any engine op
+    ckpt = args.init or default_warm_start(args.seed)
+    out = layers(ckpt, args.seed, args.engine)
+    print_layers(out["fp32"])
+    if args.engine:
+        print_engine(out, library)
+    engine = {"kernel_library": library, **{k: out.get(k) for k in
+                                            ("engine_error", "engine", "tokens")}}
+    if args.json:
+        common.write_json(args.json, {"experiment": "sites-layers", "machine": host,
+                                      "checkpoint": ckpt, "seed": args.seed,
+                                      "layers": out["fp32"], **(engine if args.engine else {})})
+    return out
+
 def main(argv=None):
     from instruments import machine
 
@@ -205,23 +289,25 @@ def main(argv=None):
     p.add_argument("--cost", action="store_true", help="time forward + backward, each mode")
     p.add_argument("--layers", action="store_true", help="each mode's error after each block")
     p.add_argument("--init", default=None, help="--layers: a checkpoint (the warm start)")
+    p.add_argument("--engine", action="store_true",
+                   help="--layers: also against the engine's kernels (the aligned trainer)")
+    p.add_argument("--library", choices=list(rounding.LIBRARIES), default=None,
+                   help="--engine: force this vLLM kernel library (rounding.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the times (errors) here")
     args = p.parse_args(argv)
     common.writable(args.json)
+    if (args.engine or args.library) and not args.layers:
+        common.refuse("--engine and --library go with --layers")
+    if args.library and not args.engine:
+        common.refuse("--library: the engine's kernels are read only with --engine")
+    rounding.refuse_unrunnable(args.library)
     try:  # model.read_config's check, as offline.parse makes it: one line before any work
         model.read_config(args.init) if args.init else None
     except ValueError as e:
         common.refuse(f"--init: {e}")
     if args.layers:
-        ckpt = args.init or default_warm_start(args.seed)
-        errors = layers(ckpt, args.seed)
-        print_layers(errors)
-        if args.json:
-            common.write_json(args.json, {"experiment": "sites-layers", "machine": machine(),
-                                          "checkpoint": ckpt, "seed": args.seed,
-                                          "layers": errors})
-        return errors
+        return read_layers(args, machine())
     if not args.cost:
         common.refuse("nothing to do: --cost or --layers (otherwise a module: install(mode))")
     seconds = cost(args.seed)

@@ -136,11 +136,21 @@ def test_the_backward_is_a_casts():
 def test_layers_reads_every_mode_block_by_block_and_leaves_the_trainer_as_it_was(random_ckpt, restore):
     """sites.layers: each mode's error against float32 after every block, the norm and the logits;
     rne's is the plain bf16 trainer's (offline.layer_errors), truncation's the larger at the first
-    block, rne5's (twice the op error) larger than rne6's; the trainer's names restored after."""
+    block, rne5's (twice the op error) larger than rne6's; the trainer's names restored after.
+    With engine, against the engine's kernels (the library this process loaded): at the first
+    block the mode that rounds as that library does is the nearer (rne where it rounds, trunc where
+    it truncates), and the answer tokens' mismatch is read for every mode."""
+    import rounding
     from offline import layer_errors
-    errors = sites.layers(random_ckpt)
+    out = sites.layers(random_ckpt, engine=True)
+    errors, d = out["fp32"], out["engine"]
     gpt = model.load_hf(random_ckpt, "cpu")
     assert list(errors) == list(sites.MODES) and all(len(e) == gpt.cfg.n_layer + 2 for e in errors.values())
     assert errors["rne"] == layer_errors(gpt, ["bf16"], *sites.teacher_forced(0), "cpu")["bf16"]
     assert errors["trunc"][0] > errors["rne"][0] and errors["rne5"][0] > errors["rne6"][0]
+    library = rounding.load(None)  # the one loaded: the process keeps its first
+    nearer, farther = ("rne", "trunc") if library == "_C" else ("trunc", "rne")
+    assert d[nearer][0] < d[farther][0], (library, d[nearer][0], d[farther][0])
+    assert list(out["tokens"]) == list(sites.MODES)
+    assert all(0 < t["mean_abs"] and 0 < t["top_share"] <= 1 for t in out["tokens"].values())
     assert precision.TensorCoreMatmuls is sites.ORIGINAL["trainer"] and model.apply_rope is sites.ORIGINAL["rope"]
