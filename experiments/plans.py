@@ -129,6 +129,10 @@ PLANS["scale-sites"] = [("gspo-engine-x8", ["bf16", "bf16-aligned", "bf16-site-t
 # The size dial on the larger GPT (scale-rne5.md): where the engine rounds, a zero-mean error
 # twice rne6's at the op, beside plan scale-sites' bf16 and bf16-site-trunc (there, those).
 PLANS["scale-rne5"] = [("gspo-engine-x8", ["bf16", "bf16-site-trunc", "bf16-site-rne5"])]
+# Vanilla GRPO on the larger GPT (scale-grpo.md), pi_old the trainer's: the trainer truncating
+# at the two sites, which made gspo-engine-x8 fall in 7 of 7 where the engine rounds, beside bf16
+# (sites-grpo's question, on the 7M GPT); a seed's two runs before the next seed's.
+PLANS["scale-grpo"] = [("grpo-x8", ["bf16", "bf16-site-trunc"])]
 
 def probed(name):
     """Whether mismatch.py --quick reads a run's policy: a PROBED arm's run of a probed variant

@@ -15,7 +15,8 @@ Then the runs, their table and figure (on a chip without AMX whose own library r
 --plan scale-own in both: that library, bf16, is the rounding control; --plan scale-fp16 in
 both: fp16 beside bf16, scale-fp16.md; --plan scale-sites on any chip without AMX: the aligned
 trainer and the trainer's rounding at the two sites beside the chip's bf16, scale-sites.md;
---plan scale-rne5 where the engine rounds: a larger zero-mean error, scale-rne5.md):
+--plan scale-rne5 where the engine rounds: a larger zero-mean error, scale-rne5.md; --plan
+scale-grpo: vanilla GRPO, arms grpo-x8 and grpo, scale-grpo.md):
 
     nohup python experiments/campaign.py --plan scale --seeds 0 1 2 3 4 > runs/scale.log &
     python experiments/scale.py $M --seeds 0 1 2 3 4 --out figures/scale-intel-amx.png
@@ -27,7 +28,7 @@ larger GPT's are the pre-registered family (scale.md); then each fall's growth o
 on the rows before its step (sites_figure.print_growth). The figure: a panel per arm, each
 seed's held-out by variant, a dot sized by that run's step-0 mean |d|. --arms reads one arm
 alone (its numbers as beside the other); --warm-starts reads both, a seed's row the pair.
-Pages: experiments/scale.md, scale-fp16.md, scale-sites.md, scale-rne5.md.
+Pages: experiments/scale.md, scale-fp16.md, scale-sites.md, scale-rne5.md, scale-grpo.md.
 """
 import os
 import subprocess
@@ -41,9 +42,16 @@ from plans import PLANS
 from results import holm_contrasts, load_experiment, machine_title, parse_runs
 from results import runs_parser, save
 from sites_figure import cell_of, columns, draw_cells, print_growth
-from variants import ARMS
+from variants import ARMS, SMALLER
 
+# The warm starts' arms: every larger arm starts from one warm start a seed (variants.SMALLER),
+# so the readings of gspo-engine's two say whether a seed's runs count in every plan.
 SMALL, LARGE = "gspo-engine", PLANS["scale"][0][0]
+
+def arms_of(plan):
+    """(the 0.9M GPT's arm, the larger GPT's) that a plan is read on: its first arm and twin."""
+    large = PLANS[plan][0][0]
+    return SMALLER[large], large
 
 def rounding_family(control):
     """Plan scale's contrasts and step-0 ratios, against the chip's rounding control."""
@@ -63,7 +71,9 @@ FAMILIES = {"scale": rounding_family("bf16-noamx"), "scale-own": rounding_family
                             [("bf16-site-trunc", "bf16"), ("bf16-site-rne6", "bf16-site-trunc")]),
             # the size dial: a zero-mean error larger than rne6's, against bf16 (scale-rne5.md)
             "scale-rne5": ([("bf16-site-rne5", "bf16")],
-                           [("bf16-site-rne5", "bf16-site-trunc"), ("bf16-site-rne5", "bf16")])}
+                           [("bf16-site-rne5", "bf16-site-trunc"), ("bf16-site-rne5", "bf16")]),
+            # vanilla GRPO, pi_old the trainer's: does the trainer's truncation cost it at 7M?
+            "scale-grpo": ([("bf16-site-trunc", "bf16")], [("bf16-site-trunc", "bf16")])}
 
 def step0_ratios(cells, pairs):
     """Each pair's step-0 mean |d|, the first's over the second's, seed by seed: mean, range."""
@@ -128,15 +138,16 @@ def read(path, seeds, plan="scale", arms=None):
     """The two arms' cells and contrasts (or those of ARMS alone), the plan's variants; the
     larger's runs of a seed whose warm start fell short of the smaller's are left out (scale.md),
     the seeds not yet checked named."""
-    if unknown := set(arms or []) - {SMALL, LARGE}:
-        refuse(f"--arms {' '.join(sorted(unknown))}: scale reads {SMALL} and {LARGE}")
-    runs, where = load_experiment(path, seeds, arms or [SMALL, LARGE], dial=False)
-    ran = {s for cell in runs.get(LARGE, {}).values() for s, _, _ in cell}
+    small, large = arms_of(plan)
+    if unknown := set(arms or []) - {small, large}:
+        refuse(f"--arms {' '.join(sorted(unknown))}: scale reads {small} and {large}")
+    runs, where = load_experiment(path, seeds, arms or [small, large], dial=False)
+    ran = {s for cell in runs.get(large, {}).values() for s, _, _ in cell}
     checked = {s: reaches(path, s) for s in sorted(ran)}
-    for v, cell in runs.get(LARGE, {}).items():
-        runs[LARGE][v] = [run for run in cell if checked[run[0]] is not False]
+    for v, cell in runs.get(large, {}).items():
+        runs[large][v] = [run for run in cell if checked[run[0]] is not False]
     tables, listed = {}, dict(PLANS[plan])  # an arm the plan leaves out reads its first arm's
-    for arm in (a for a in (SMALL, LARGE) if a in runs):
+    for arm in (a for a in (small, large) if a in runs):
         found = {v: cell for v, cell in runs[arm].items() if cell}
         variants = listed.get(arm, PLANS[plan][0][1])
         cells = {v: cell_of(found[v]) for v in variants if v in found}
@@ -144,10 +155,10 @@ def read(path, seeds, plan="scale", arms=None):
         ratios = step0_ratios(cells, FAMILIES[plan][1])
         tables[arm] = {"variants": cells, "contrasts": tests, "step0_ratios": ratios}
     if not any(a["variants"] for a in tables.values()):
-        refuse(f"{path} holds no finished run of plan {plan}'s variants on {SMALL} or {LARGE}")
+        refuse(f"{path} holds no finished run of plan {plan}'s variants on {small} or {large}")
     return {"machine": where, "fell_below": FELL, "arms": tables, "warm_start_reaches": checked}
 
-def print_read(out):
+def print_read(out, large=LARGE):
     for arm, a in out["arms"].items():
         print(f"\n{arm}: step-0 mean |d| and signed mean d (mean over seeds); runs below "
               f"{FELL}; held-out (fp32 engine), mean +- s.e. (n)\n")
@@ -161,7 +172,7 @@ def print_read(out):
             print(f"step-0 mean |d|, {pair}, seed by seed: mean {r['mean']:.2f}x, "
                   f"{r['range'][0]:.2f}x to {r['range'][1]:.2f}x (n = {len(r['seeds'])})")
     checked = out["warm_start_reaches"]
-    print(f"\n{LARGE}'s warm start reached the smaller's: seeds "
+    print(f"\n{large}'s warm start reached the smaller's: seeds "
           f"{[s for s, ok in checked.items() if ok]}; fell short, left out: "
           f"{[s for s, ok in checked.items() if ok is False]}; not read: "
           f"{[s for s, ok in checked.items() if ok is None]}")
@@ -184,15 +195,16 @@ def main(argv=None):
     p.add_argument("--plan", choices=FAMILIES, default="scale",
                    help="scale (AMX hidden for the control), scale-own (the chip's own library), "
                         "scale-fp16 (fp16 beside bf16), scale-sites (the aligned trainer and "
-                        "the trainer's rounding at the two sites beside bf16) or scale-rne5 "
-                        "(a zero-mean error larger than rne6's)")
+                        "the trainer's rounding at the two sites beside bf16), scale-rne5 "
+                        "(a zero-mean error larger than rne6's) or scale-grpo (vanilla GRPO, "
+                        "grpo-x8 beside grpo)")
     args = parse_runs(p, argv)
     if args.warm_starts and args.arms:  # a seed's row sets the larger beside the smaller
         refuse("--warm-starts reads both arms' warm starts: drop --arms")
     if args.warm_starts:
         return write_json(args.out, warm_starts(args.path, args.seeds or [0]))
     out = read(args.path, args.seeds, args.plan, args.arms)
-    print_read(out)
+    print_read(out, arms_of(args.plan)[1])
     save(figure(out), args.out, out)
 
 if __name__ == "__main__":

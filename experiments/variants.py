@@ -47,7 +47,9 @@ for _arm in ("grpo", "gspo-engine"):
 # 0.92M), its head size the default's (32), its own warm start; not PROBED: mismatch.py --quick
 # reads the 0.9M GPT's warm start beside a run.
 SCALE = ["--n-layer", "8", "--n-head", "8", "--n-embd", "256"]
-ARMS["gspo-engine-x8"] = [*ARMS["gspo-engine"], *SCALE]
+SMALLER = {"gspo-engine-x8": "gspo-engine", "grpo-x8": "grpo"}  # each larger arm: its 0.9M twin
+for _large, _small in SMALLER.items():  # one warm start a seed for both: the arm leaves the model
+    ARMS[_large] = [*ARMS[_small], *SCALE]
 PROBED = ("gspo-engine",)  # arms whose policies mismatch.py --quick also reads
 
 @dataclass(frozen=True)

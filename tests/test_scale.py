@@ -208,6 +208,30 @@ def test_plan_scale_rne5_reads_the_size_dial_against_bf16_alone_and_its_size_ove
     assert ratios["bf16-site-rne5 / bf16"]["range"] == pytest.approx([2.0, 2.0])
 
 
+def test_plan_scale_grpo_reads_vanilla_grpo_on_both_gpts_and_no_gspo_run(tmp_path):
+    """Plan scale-grpo: grpo-x8 beside grpo, site-trunc - bf16 on each by hand, and site-trunc's
+    step-0 size over bf16's (set at half); the gspo arms' runs in the same folder are not read, and
+    plan scale-sites on that folder reads them, not grpo's."""
+    root = relabel(folder(str(tmp_path)), "bf16-noamx", "bf16")
+    relabel(root, "bf16-trunc", "bf16-site-trunc", m0=5e-5)
+    for large, small in (("gspo-engine-x8", "grpo-x8"), ("gspo-engine", "grpo")):
+        for v, accs in HELDOUT[large].items():  # bf16-noamx and bf16-trunc, relabelled above
+            v = {"bf16-noamx": "bf16", "bf16-trunc": "bf16-site-trunc"}.get(v, v)
+            for seed in range(len(accs)):
+                shutil.copytree(os.path.join(root, f"{large}-{v}-s{seed}"),
+                                os.path.join(root, f"{small}-{v}-s{seed}"))
+    out = scale.read(root, None, "scale-grpo")["arms"]
+    assert list(out) == ["grpo", "grpo-x8"]
+    (small,), (large,) = out["grpo"]["contrasts"], out["grpo-x8"]["contrasts"]
+    assert (large["a"], large["b"]) == ("bf16-site-trunc", "bf16")
+    assert large["mean"] == pytest.approx((-0.01 - 0.86 - 0.01) / 3)
+    assert small["mean"] == pytest.approx((-0.75 - 0.06 - 0.64) / 3)
+    assert out["grpo-x8"]["step0_ratios"]["bf16-site-trunc / bf16"]["mean"] == pytest.approx(0.5)
+    assert list(scale.read(root, None, "scale-sites")["arms"]) == ["gspo-engine", "gspo-engine-x8"]
+    with pytest.raises(SystemExit):
+        scale.read(root, None, "scale-grpo", arms=["gspo-engine"])
+
+
 def test_arms_reads_the_named_arm_alone_and_refuses_one_scale_does_not_read(tmp_path, capsys):
     """--arms gspo-engine: the larger GPT's runs in the folder are not read (its table, the same
     numbers as with both arms); an arm scale does not read is refused, exit 2, the line naming
