@@ -195,10 +195,10 @@ def tokens(logits, ref, idx, mask):
     sum in the TOP of positions where it is largest, and mean |d| of the token's logit margin
     over ref's runner-up (every position weighted alike, where d weights each by how unsure
     the policy is there: d ~ p(runner-up) x the margin's error when p(token) ~ 1)."""
-    def at(z, tok):
-        return z.double().gather(-1, tok.unsqueeze(-1)).squeeze(-1)[mask.bool()]
+    def at(z, tok):  # z at each answer position's token
+        return z.gather(-1, tok.unsqueeze(-1)).squeeze(-1)[mask.bool()]
 
-    target = idx[:, 1:]
+    logits, ref, target = logits.double(), ref.double(), idx[:, 1:]
     top2 = ref.topk(2, dim=-1).indices
     runner = torch.where(top2[..., 0] == target, top2[..., 1], top2[..., 0])
     d = (at(ref.log_softmax(-1), target) - at(logits.log_softmax(-1), target)).abs()
