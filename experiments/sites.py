@@ -274,12 +274,12 @@ def read_layers(args, host):
     print_layers(out["fp32"])
     if args.engine:
         print_engine(out, library)
-    engine = {"kernel_library": library, **{k: out.get(k) for k in
-                                            ("engine_error", "engine", "tokens")}}
+    engine = {"kernel_library": library,
+              **{k: out[k] for k in ("engine_error", "engine", "tokens")}} if args.engine else {}
     if args.json:
         common.write_json(args.json, {"experiment": "sites-layers", "machine": host,
                                       "checkpoint": ckpt, "seed": args.seed,
-                                      "layers": out["fp32"], **(engine if args.engine else {})})
+                                      "layers": out["fp32"], **engine})
     return out
 
 def main(argv=None):
