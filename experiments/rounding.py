@@ -169,19 +169,23 @@ def amx_rows(kernel_row, seed):
 def print_probe(result):
     print(f"\nvLLM's CPU ops against float32 on the same 16-bit inputs, library "
           f"{result['library']} (its attention kernel: {result['attention_isa']})\n"
-          f"{common.machine_line(result['machine'])}\n\n| op | on the model's path | dtype | "
-          "matches round-to-nearest | matches truncation | magnitude bias | mean rel. error |\n"
-          "|---|---|---|---|---|---|---|")
-    for name, row in result["ops"].items():
+          f"{common.machine_line(result['machine'])}\n")
+    print_rows(result["ops"])
+    if "match_amx_model" in result["ops"]["attention"]["bf16"]:
+        print(f"\nAMX's attention equals amx_attention_model's in "
+              f"{result['ops']['attention']['bf16']['match_amx_model']:.4f} of its outputs")
+
+def print_rows(ops):
+    """The probe's table: an op's rows, bf16 and fp16."""
+    print("| op | on the model's path | dtype | matches round-to-nearest | matches truncation "
+          "| magnitude bias | mean rel. error |\n|---|---|---|---|---|---|---|")
+    for name, row in ops.items():
         for dtype in (d for d in ("bf16", "fp16") if d in row):
             r = row[dtype]
             trunc = f"{r['match_truncation']:.4f}" if "match_truncation" in r else "-"
             print(f"| {name} | {'yes' if row['on_model_path'] else 'no'} | {dtype} | "
                   f"{r['match_nearest']:.4f} | {trunc} | {r['magnitude_bias']:+.2e} | "
                   f"{r['rel_error_mean']:.2e} |")
-    if "match_amx_model" in result["ops"]["attention"]["bf16"]:
-        print(f"\nAMX's attention equals amx_attention_model's in "
-              f"{result['ops']['attention']['bf16']['match_amx_model']:.4f} of its outputs")
 
 def main(argv=None):
     p = common.parser("the op-level rounding probe (the docstring)")

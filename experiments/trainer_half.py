@@ -4,6 +4,7 @@ without it): no engine, no sampling.
 
     python experiments/trainer_half.py --json F                      # CPU; on a GPU: both
     python experiments/trainer_half.py --gpu-ablation both --json F  # a GPU's kernels swapped
+    python experiments/trainer_half.py --sites --json F              # how it rounds at the sites
 
 The held-out problems with their right answers, teacher-forced. Each trainer's log-probs of
 the answers against float32's on the same device, and the gradient of their mean against
@@ -11,26 +12,34 @@ float32's (fp16 unscaled and at INIT_SCALE); on a GPU, each trainer on the tenso
 against the same trainer on this machine's CPU, where precision.py emulates them. Near 0
 there, next to the 16-bit error: the emulation computes what the tensor cores compute.
 --gpu-ablation swaps the GPU's kernels that may differ from the emulation's, one or both.
+--sites: rounding.py's op probe for this device's trainer at the two sites where vLLM's CPU
+kernels truncate: the rotary (model.apply_rope) and each of SDPA's attention kernels, bf16
+and fp16, against the float32 result rounded to nearest and by truncation.
 No figure: the tables, and results/<GPU machine>/trainer*.json (experiments/chips.md).
 """
 from contextlib import nullcontext
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import common
 import task
 from common import machine_line
 from instruments import machine
-from model import load_hf, pack
+from model import GPTConfig, apply_rope, load_hf, pack, rope_cos_sin
 from offline import (DTYPES, base_parser, flat_grad, layer_errors, parse,
                      trainer_logprobs, underflow)
-from precision import INIT_SCALE, get_precision
+from precision import INIT_SCALE, TensorCoreMatmuls, get_precision
 from precision import mismatch_metrics as basic_metrics
+from rounding import D, H, T, compare, print_rows
 from warm_start import model_config, warm_start
 
 CUDA_FLAGS = ("allow_tf32", "allow_fp16_reduced_precision_reduction",
               "allow_bf16_reduced_precision_reduction")  # cuBLAS's: what a GPU computes
+BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+BATCH = 16  # sequences of the op probe's shapes (rounding.py): 131,072 outputs a row
 KEYS = ["mismatch_k3", "mismatch_logp_abs_mean", "mismatch_prob_abs_max",
         "mismatch_seq_logratio_abs"]
 
@@ -112,15 +121,69 @@ def print_trainer(result):
         print(f"{g['device']:7} {g['trainer']:8} {g['loss_scale']:>9.0f} "
               f"{g['weight_grad_zero']:>14.2%} {g['rel_error']:>11.2e}")
 
+def site_rounding(device, seed=0):
+    """The trainer's two sites on `device`, on random 16-bit inputs of the model's shapes: each
+    output against the float32 result on the CPU (rounding.compare). Rows "rotary" and
+    "attention" run as the 16-bit trainer does (Precision.logits_fn: on a CPU the emulation,
+    on a GPU the native kernels, SDPA's pick; `equals`: the kernels it matches bit for bit);
+    "attention_<kernel>", each of SDPA's kernels this device has, called plainly."""
+    g, rows = torch.Generator().manual_seed(seed), {}
+    cos, sin = rope_cos_sin(GPTConfig(n_embd=H * D, n_head=H), T, "cpu")
+    for dtype, label in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        q, k, v = (torch.randn(BATCH, H, T, D, generator=g).to(dtype) for _ in range(3))
+        rotated = torch.cat([-q[..., D // 2:], q[..., :D // 2]], -1).float()
+        ref = q.float() * cos + rotated * sin  # on the CPU: float32, no fused multiply-add
+        kernels = {name: sdpa(q, k, v, device, backend) for name, backend in BACKENDS.items()}
+        kernels = {name: out for name, out in kernels.items() if out is not None}
+        with TensorCoreMatmuls(dtype, strict=True) if device == "cpu" else nullcontext():
+            rope = apply_rope(q.to(device), cos.to(device), sin.to(device)).cpu()
+            out = sdpa(q, k, v, device)
+        rows.setdefault("rotary", {})[label] = compare(rope, ref, dtype)
+        ref = causal_attention(q, k, v)
+        rows.setdefault("attention", {})[label] = {
+            **compare(out, ref, dtype),
+            "equals": [name for name, o in kernels.items() if torch.equal(o, out)]}
+        for name, o in kernels.items():
+            rows.setdefault(f"attention_{name}", {})[label] = compare(o, ref, dtype)
+    for name, row in rows.items():
+        row["on_model_path"] = name in ("rotary", "attention")
+    return {"experiment": "trainer-sites", "device": device, "machine": machine(), "ops": rows}
+
+def causal_attention(q, k, v):  # float32 on the CPU, the reference
+    scores = q.float() @ k.float().transpose(-1, -2) * D ** -0.5
+    scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
+    return scores.softmax(-1) @ v.float()
+
+def sdpa(q, k, v, device, backend=None):
+    """SDPA on `device`, causal, on one kernel (None: SDPA's pick); None where it has none."""
+    try:
+        with sdpa_kernel(backend) if backend else nullcontext():
+            args = (x.to(device) for x in (q, k, v))
+            return F.scaled_dot_product_attention(*args, is_causal=True).cpu()
+    except RuntimeError:  # this kernel does not take this dtype, shape or device
+        return None
+
 def main(argv=None, engine=None):
     p = base_parser("the trainer half, no engine: the GPU against the CPU (the docstring)")
     ablations = ["none", "full-reduction", "math-attention", "both"]
     p.add_argument("--gpu-ablation", choices=ablations, default="none",
                    help="on a GPU: cuBLAS's 16-bit reductions off, and/or attention on "
                    "SDPA's math kernel")
+    p.add_argument("--sites", action="store_true",
+                   help="how this device's trainer rounds at the rotary and attention outputs")
     args = parse(p, argv)
     if args.gpu_ablation != "none" and not torch.cuda.is_available():
         common.refuse("--gpu-ablation: the trainer half, on a GPU (none here)")
+    if args.sites:
+        result = site_rounding(get_precision("fp32").device, args.seed)
+        print(f"\nthe trainer's ops on {result['device']} against float32 on the same 16-bit "
+              f"inputs, at the two sites\n{machine_line(result['machine'])}\n")
+        print_rows(result["ops"])
+        for label, row in result["ops"]["attention"].items():
+            if label != "on_model_path":  # on a CPU the emulation: none of them
+                print(f"the trainer's attention, {label}, equals bit for bit: "
+                      f"{', '.join(row['equals']) or 'none of the kernels'}")
+        return common.finish(args, result)
     return common.finish(args, trainer(args, engine))
 
 if __name__ == "__main__":

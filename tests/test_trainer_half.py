@@ -22,3 +22,17 @@ def test_trainer_half_needs_no_engine_and_orders_the_formats():
     with pytest.raises(SystemExit) as refused:  # the GPU's kernels swapped: on a GPU alone
         trainer_half.main(["--gpu-ablation", "both"])
     assert refused.value.code == 2 and result["gpu_ablation"] == "none"
+
+
+def test_the_trainers_sites_round_to_nearest_here():
+    """--sites (rounding.py's probe for the trainer's own two sites): on this CPU the 16-bit
+    trainer's rotary and attention outputs are the float32 results rounded to nearest, the side
+    sites.py's modes change; bf16 truncation matches about half, as chance has it; no bias in
+    size. SDPA's plain math kernel is one of the kernels read beside them."""
+    ops = trainer_half.main(["--sites"])["ops"]
+    for site in ("rotary", "attention"):
+        for label in ("bf16", "fp16"):
+            row = ops[site][label]
+            assert row["match_nearest"] > 0.998 and abs(row["magnitude_bias"]) < 1e-4, (site, row)
+        assert 0.4 < ops[site]["bf16"]["match_truncation"] < 0.6, ops[site]
+    assert ops["rotary"]["bf16"]["match_nearest"] == 1.0 and ops["attention_math"]["on_model_path"] is False
