@@ -139,20 +139,44 @@ def site_rounding(device, seed=0):
             rope = apply_rope(q.to(device), cos.to(device), sin.to(device)).cpu()
             out = sdpa(q, k, v, device)
         rows.setdefault("rotary", {})[label] = compare(rope, ref, dtype)
-        ref = causal_attention(q, k, v)
-        rows.setdefault("attention", {})[label] = {
-            **compare(out, ref, dtype),
-            "equals": [name for name, o in kernels.items() if torch.equal(o, out)]}
-        for name, o in kernels.items():
-            rows.setdefault(f"attention_{name}", {})[label] = compare(o, ref, dtype)
+        ref, model = causal_attention(q, k, v), weights_rounded(q, k, v, dtype)
+        outs = {"attention": out, **{f"attention_{n}": o for n, o in kernels.items()}}
+        for name, o in {**outs, "attention_weights_rounded": model}.items():
+            rows.setdefault(name, {})[label] = compare(o, ref, dtype)
+        for name, o in outs.items():  # the share equal to the model, bit for bit
+            rows[name][label]["match_weights_rounded"] = (o == model).float().mean().item()
+        rows["attention"][label]["equals"] = [n for n, o in kernels.items() if torch.equal(o, out)]
     for name, row in rows.items():
         row["on_model_path"] = name in ("rotary", "attention")
     return {"experiment": "trainer-sites", "device": device, "machine": machine(), "ops": rows}
 
-def causal_attention(q, k, v):  # float32 on the CPU, the reference
+def print_sites(result):
+    print(f"\nthe trainer's ops on {result['device']} against float32 on the same 16-bit "
+          f"inputs, at the two sites\n{machine_line(result['machine'])}\n")
+    print_rows(result["ops"])
+    for label in ("bf16", "fp16"):  # on a CPU the trainer's attention is the emulation's
+        row = result["ops"]["attention"][label]
+        share = ", ".join(f"{name[10:] or 'the trainer'} {r[label]['match_weights_rounded']:.4f}"
+                          for name, r in result["ops"].items() if "match_weights_rounded"
+                          in r.get(label, {}))
+        print(f"{label}: the trainer's attention equals bit for bit "
+              f"{', '.join(row['equals']) or 'none of the kernels'}; equal to "
+              f"weights_rounded: {share}")
+
+def causal_scores(q, k):  # float32 on the CPU, (batch, heads, T, T)
     scores = q.float() @ k.float().transpose(-1, -2) * D ** -0.5
-    scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
-    return scores.softmax(-1) @ v.float()
+    return scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
+
+def causal_attention(q, k, v):  # the reference
+    return causal_scores(q, k).softmax(-1) @ v.float()
+
+def weights_rounded(q, k, v, dtype):
+    """A fused kernel's attention as FlashAttention's is written (and rounding.py's model of
+    AMX's): the softmax's weights, not yet normalized, rounded to the inputs' dtype (to
+    nearest) for the P.V product on the tensor cores; their sum stays float32."""
+    s = causal_scores(q, k)
+    e = (s - s.amax(-1, keepdim=True)).exp()
+    return ((e.to(dtype).float() @ v.float()) / e.sum(-1, keepdim=True)).to(dtype)
 
 def sdpa(q, k, v, device, backend=None):
     """SDPA on `device`, causal, on one kernel (None: SDPA's pick); None where it has none."""
@@ -176,13 +200,7 @@ def main(argv=None, engine=None):
         common.refuse("--gpu-ablation: the trainer half, on a GPU (none here)")
     if args.sites:
         result = site_rounding(get_precision("fp32").device, args.seed)
-        print(f"\nthe trainer's ops on {result['device']} against float32 on the same 16-bit "
-              f"inputs, at the two sites\n{machine_line(result['machine'])}\n")
-        print_rows(result["ops"])
-        for label, row in result["ops"]["attention"].items():
-            if label != "on_model_path":  # on a CPU the emulation: none of them
-                print(f"the trainer's attention, {label}, equals bit for bit: "
-                      f"{', '.join(row['equals']) or 'none of the kernels'}")
+        print_sites(result)
         return common.finish(args, result)
     return common.finish(args, trainer(args, engine))
 
