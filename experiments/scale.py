@@ -16,7 +16,8 @@ Then the runs, their table and figure (on a chip without AMX whose own library r
 both: fp16 beside bf16, scale-fp16.md; --plan scale-sites on any chip without AMX: the aligned
 trainer and the trainer's rounding at the two sites beside the chip's bf16, scale-sites.md;
 --plan scale-rne5 where the engine rounds: a larger zero-mean error, scale-rne5.md; --plan
-scale-grpo: vanilla GRPO, arms grpo-x8 and grpo, scale-grpo.md):
+scale-grpo: vanilla GRPO, arms grpo-x8 and grpo, scale-grpo.md; scale-grpo-trunc, the same
+with the engine's truncating library forced):
 
     nohup python experiments/campaign.py --plan scale --seeds 0 1 2 3 4 > runs/scale.log &
     python experiments/scale.py $M --seeds 0 1 2 3 4 --out figures/scale-intel-amx.png
@@ -73,7 +74,9 @@ FAMILIES = {"scale": rounding_family("bf16-noamx"), "scale-own": rounding_family
             "scale-rne5": ([("bf16-site-rne5", "bf16")],
                            [("bf16-site-rne5", "bf16-site-trunc"), ("bf16-site-rne5", "bf16")]),
             # vanilla GRPO, pi_old the trainer's: does the trainer's truncation cost it at 7M?
-            "scale-grpo": ([("bf16-site-trunc", "bf16")], [("bf16-site-trunc", "bf16")])}
+            "scale-grpo": ([("bf16-site-trunc", "bf16")], [("bf16-site-trunc", "bf16")]),
+            # ... and with the engine's truncating library forced (where the chip can run it)
+            "scale-grpo-trunc": ([("bf16-trunc", "bf16")], [("bf16-trunc", "bf16")])}
 
 def step0_ratios(cells, pairs):
     """Each pair's step-0 mean |d|, the first's over the second's, seed by seed: mean, range."""
@@ -196,8 +199,9 @@ def main(argv=None):
                    help="scale (AMX hidden for the control), scale-own (the chip's own library), "
                         "scale-fp16 (fp16 beside bf16), scale-sites (the aligned trainer and "
                         "the trainer's rounding at the two sites beside bf16), scale-rne5 "
-                        "(a zero-mean error larger than rne6's) or scale-grpo (vanilla GRPO, "
-                        "grpo-x8 beside grpo)")
+                        "(a zero-mean error larger than rne6's), scale-grpo (vanilla GRPO, "
+                        "grpo-x8 beside grpo) or scale-grpo-trunc (the same, the engine "
+                        "truncating)")
     args = parse_runs(p, argv)
     if args.warm_starts and args.arms:  # a seed's row sets the larger beside the smaller
         refuse("--warm-starts reads both arms' warm starts: drop --arms")
