@@ -4,6 +4,7 @@ without it): no engine, no sampling.
 
     python experiments/trainer_half.py --json F                      # CPU; on a GPU: both
     python experiments/trainer_half.py --gpu-ablation both --json F  # a GPU's kernels swapped
+    python experiments/trainer_half.py --by-part --json F            # the gradient's error by part
     python experiments/trainer_half.py --sites --json F              # how it rounds at the sites
 
 The held-out problems with their right answers, teacher-forced. Each trainer's log-probs of
@@ -11,10 +12,12 @@ the answers against float32's on the same device, and the gradient of their mean
 float32's (fp16 unscaled and at INIT_SCALE); on a GPU, each trainer on the tensor cores
 against the same trainer on this machine's CPU, where precision.py emulates them. Near 0
 there, next to the 16-bit error: the emulation computes what the tensor cores compute.
---gpu-ablation swaps the GPU's kernels that may differ from the emulation's, one or both.
---sites: rounding.py's op probe for this device's trainer at the two sites where vLLM's CPU
-kernels truncate: the rotary (model.apply_rope) and each of SDPA's attention kernels, bf16
-and fp16, against the float32 result rounded to nearest and by truncation.
+--gpu-ablation swaps the GPU's kernels that may differ from the emulation's, one or both;
+--by-part splits each gradient's error by part of the model (where the emulation's backward
+parts from the GPU's: experiments/chips-gpu.md). --sites: rounding.py's op probe for this
+device's trainer at the two sites where vLLM's CPU kernels truncate: the rotary
+(model.apply_rope) and each of SDPA's attention kernels, bf16 and fp16, against the float32
+result rounded to nearest and by truncation.
 No figure: the tables, and results/<GPU machine>/trainer*.json (experiments/chips.md).
 """
 from contextlib import nullcontext
@@ -39,6 +42,7 @@ CUDA_FLAGS = ("allow_tf32", "allow_fp16_reduced_precision_reduction",
               "allow_bf16_reduced_precision_reduction")  # cuBLAS's: what a GPU computes
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+PARTS = ("embed_tokens", "self_attn", "mlp", "lm_head")  # --by-part; the rest: "norms"
 BATCH = 16  # sequences of the op probe's shapes (rounding.py): 131,072 outputs a row
 KEYS = ["mismatch_k3", "mismatch_logp_abs_mean", "mismatch_prob_abs_max",
         "mismatch_seq_logratio_abs"]
@@ -64,7 +68,7 @@ def trainer(args, engine=None):
                 for mode in DTYPES:
                     logp[dev, mode] = trainer_logprobs(model, mode, idx, dev).cpu()
             layers[dev] = layer_errors(model, DTYPES[1:], idx, mask, dev)
-            grads += gradient_errors(model, idx, mask, dev)
+            grads += gradient_errors(model, idx, mask, dev, args.by_part)
         mask = mask.cpu()
         for mode in DTYPES[1:]:  # the 16-bit trainer (pi) against float32 (in mu's place)
             metrics = basic_metrics(logp[dev, "fp32"], logp[dev, mode], mask)
@@ -81,9 +85,10 @@ def trainer(args, engine=None):
     print_trainer(result)
     return result
 
-def gradient_errors(model, idx, mask, dev):
+def gradient_errors(model, idx, mask, dev, by_part=False):
     """The gradient of the answers' mean log-prob (the SFT's) from each 16-bit trainer against
-    float32's: its relative error, and the share of entries non-zero there stored as 0."""
+    float32's: its relative error, and the share of entries non-zero there stored as 0;
+    by_part: each part's own (PARTS), and its share of the squared error."""
     def mean_logp(mode):
         return (trainer_logprobs(model, mode, idx, dev) * mask).sum() / mask.sum()
 
@@ -92,8 +97,24 @@ def gradient_errors(model, idx, mask, dev):
         g = flat_grad(model, mean_logp(mode) * scale) / scale
         rows.append({"device": dev, "trainer": mode, "loss_scale": scale,
                      "weight_grad_zero": underflow(g, exact)[0],
-                     "rel_error": ((g - exact).norm() / exact.norm()).item()})
+                     "rel_error": ((g - exact).norm() / exact.norm()).item(),
+                     **({"by_part": part_errors(model, g, exact)} if by_part else {})})
     return rows
+
+def part_of(name):  # a parameter's part of the model, by its name
+    return next((part for part in PARTS if part in name), "norms")
+
+def part_errors(model, g, exact):
+    """Each part's relative error and its share of the squared error (flat_grad's order)."""
+    err, ref, start = {}, {}, 0
+    for name, p in model.named_parameters():
+        part, stop = part_of(name), start + p.numel()
+        err[part] = err.get(part, 0.0) + (g[start:stop] - exact[start:stop]).pow(2).sum().item()
+        ref[part] = ref.get(part, 0.0) + exact[start:stop].pow(2).sum().item()
+        start = stop
+    total = sum(err.values())
+    return {part: {"rel_error": (err[part] / ref[part]) ** 0.5, "share": err[part] / total}
+            for part in err}
 
 def print_trainer(result):
     head = " ".join(f"{k[9:]:>17}" for k in KEYS)
@@ -118,8 +139,10 @@ def print_trainer(result):
     print("\nthe gradient of the answers' mean log-prob against float32's\n"
           f"{'device':7} {'trainer':8} {'scale':>9} {'weight grad 0':>14} {'rel. error':>11}")
     for g in result["grads"]:
+        parts = "  ".join(f"{part} {r['rel_error']:.2e} ({r['share']:.1%})"
+                          for part, r in g.get("by_part", {}).items())
         print(f"{g['device']:7} {g['trainer']:8} {g['loss_scale']:>9.0f} "
-              f"{g['weight_grad_zero']:>14.2%} {g['rel_error']:>11.2e}")
+              f"{g['weight_grad_zero']:>14.2%} {g['rel_error']:>11.2e}  {parts}")
 
 def site_rounding(device, seed=0):
     """The trainer's two sites on `device`, on random 16-bit inputs of the model's shapes: each
@@ -193,6 +216,9 @@ def main(argv=None, engine=None):
     p.add_argument("--gpu-ablation", choices=ablations, default="none",
                    help="on a GPU: cuBLAS's 16-bit reductions off, and/or attention on "
                    "SDPA's math kernel")
+    p.add_argument("--by-part", action="store_true",
+                   help="each gradient error also by part of the model (embedding, attention, "
+                   "MLP, head, norms), with its share of the squared error")
     p.add_argument("--sites", action="store_true",
                    help="how this device's trainer rounds at the rotary and attention outputs")
     args = parse(p, argv)

@@ -9,9 +9,9 @@ from precision import INIT_SCALE
 def test_trainer_half_needs_no_engine_and_orders_the_formats():
     """trainer_half.py (the GPU check where vLLM is not): the held-out answers' tokens, each 16-bit
     trainer against float32 on this CPU; fp16's log-prob error and its logits' are a fraction of
-    bf16's; the loss scale brings fp16's gradient nearer float32's; no GPU, so no cross rows and no
-    --gpu-ablation."""
-    result = trainer_half.main([])
+    bf16's; the loss scale brings fp16's gradient nearer float32's; by part, the embedding's
+    gradient carries most of bf16's error here; no GPU, so no cross rows and no --gpu-ablation."""
+    result = trainer_half.main(["--by-part"])
     assert result["tokens"] == task.N_EVAL * (2 * 12 - 1 + 1) and not result["cross_rows"]
     err = {r["trainer"]: r["mismatch_logp_abs_mean"] for r in result["rows"] if r["device"] == "cpu"}
     assert 0 < 2 * err["fp16"] < err["bf16"], err
@@ -19,6 +19,10 @@ def test_trainer_half_needs_no_engine_and_orders_the_formats():
     assert all(0 < e < 1 for e in layers["bf16"] + layers["fp16"]) and layers["fp16"][-1] < layers["bf16"][-1]
     grads = {(g["trainer"], g["loss_scale"]): g for g in result["grads"]}
     assert grads["fp16", INIT_SCALE]["rel_error"] < grads["fp16", 1.0]["rel_error"], grads
+    parts = grads["bf16", 1.0]["by_part"]  # the CPU's embedding backward: most of bf16's error
+    assert set(parts) == {*trainer_half.PARTS, "norms"} and abs(sum(r["share"] for r in parts.values()) - 1) < 1e-9
+    assert parts["embed_tokens"]["share"] > 0.5 and all(
+        r["rel_error"] < parts["embed_tokens"]["rel_error"] for p, r in parts.items() if p != "embed_tokens"), parts
     with pytest.raises(SystemExit) as refused:  # the GPU's kernels swapped: on a GPU alone
         trainer_half.main(["--gpu-ablation", "both"])
     assert refused.value.code == 2 and result["gpu_ablation"] == "none"
