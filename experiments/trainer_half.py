@@ -139,10 +139,10 @@ def print_trainer(result):
     print("\nthe gradient of the answers' mean log-prob against float32's\n"
           f"{'device':7} {'trainer':8} {'scale':>9} {'weight grad 0':>14} {'rel. error':>11}")
     for g in result["grads"]:
-        parts = "  ".join(f"{part} {r['rel_error']:.2e} ({r['share']:.1%})"
-                          for part, r in g.get("by_part", {}).items())
+        parts = "".join(f"  {part} {r['rel_error']:.2e} ({r['share']:.1%})"
+                        for part, r in g.get("by_part", {}).items())
         print(f"{g['device']:7} {g['trainer']:8} {g['loss_scale']:>9.0f} "
-              f"{g['weight_grad_zero']:>14.2%} {g['rel_error']:>11.2e}  {parts}")
+              f"{g['weight_grad_zero']:>14.2%} {g['rel_error']:>11.2e}{parts}")
 
 def site_rounding(device, seed=0):
     """The trainer's two sites on `device`, on random 16-bit inputs of the model's shapes: each
@@ -224,6 +224,9 @@ def main(argv=None, engine=None):
     args = parse(p, argv)
     if args.gpu_ablation != "none" and not torch.cuda.is_available():
         common.refuse("--gpu-ablation: the trainer half, on a GPU (none here)")
+    if args.sites and (args.init or args.by_part or args.gpu_ablation != "none"):
+        common.refuse("--sites reads random inputs through the trainer's ops: it takes no "
+                      "--init, --by-part or --gpu-ablation")
     if args.sites:
         result = site_rounding(get_precision("fp32").device, args.seed)
         print_sites(result)

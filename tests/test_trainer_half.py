@@ -35,6 +35,9 @@ def test_the_trainers_sites_round_to_nearest_here():
     trainer's rotary and attention outputs are the float32 results rounded to nearest, the side
     sites.py's modes change; bf16 truncation matches about half, as chance has it; no bias in
     size. SDPA's plain math kernel is one of the kernels read beside them."""
+    with pytest.raises(SystemExit) as refused:  # no checkpoint, no gradient: one line, exit 2
+        trainer_half.main(["--sites", "--by-part"])
+    assert refused.value.code == 2
     ops = trainer_half.main(["--sites"])["ops"]
     for site in ("rotary", "attention"):
         for label in ("bf16", "fp16"):
