@@ -144,7 +144,7 @@ def print_trainer(result):
         print(f"{g['device']:7} {g['trainer']:8} {g['loss_scale']:>9.0f} "
               f"{g['weight_grad_zero']:>14.2%} {g['rel_error']:>11.2e}{parts}")
 
-def site_rounding(device, seed=0):
+def sites_probe(device, seed=0):
     """The trainer's two sites on `device`, on random 16-bit inputs of the model's shapes: each
     output against the float32 result on the CPU (rounding.compare). Rows "rotary" and
     "attention" run as the 16-bit trainer does (Precision.logits_fn: on a CPU the emulation,
@@ -228,7 +228,7 @@ def main(argv=None, engine=None):
         common.refuse("--sites reads random inputs through the trainer's ops: it takes no "
                       "--init, --by-part or --gpu-ablation")
     if args.sites:
-        result = site_rounding(get_precision("fp32").device, args.seed)
+        result = sites_probe(get_precision("fp32").device, args.seed)
         print_sites(result)
         return common.finish(args, result)
     return common.finish(args, trainer(args, engine))
