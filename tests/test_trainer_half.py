@@ -3,8 +3,8 @@ import pytest
 
 import task
 import trainer_half
-import warm_start
-from model import load_hf, pack
+import sites
+from model import load_hf
 from offline import flat_grad, trainer_logprobs
 from precision import INIT_SCALE
 
@@ -52,14 +52,12 @@ def test_the_emulations_embedding_gradient_sums_in_16_bits():
     of a batch's mean log-prob, the batch repeated 16 times, moves in the embedding by more than
     ten times what it moves in the rest of the model: on a CPU the embedding's backward sums a
     token's rows in bf16, where every matmul's sums in float32 before one rounding."""
-    ckpt = warm_start.warm_start(warm_start.model_config(12, 32), 12, 0, "cpu")
-    model = load_hf(ckpt, "cpu").eval()
-    problems = task.make_splits(0, 12, task.N_EVAL)[0]
-    prompts, answers = [task.prompt_ids(p) for p, _ in problems], [task.answer_ids(a) for _, a in problems]
+    model = load_hf(sites.default_warm_start(0), "cpu").eval()
+    idx, mask = sites.teacher_forced(0)
 
-    def grad(copies):
-        idx, mask, _ = pack(prompts * copies, answers * copies, "cpu")
-        return flat_grad(model, (trainer_logprobs(model, "bf16", idx, "cpu") * mask).sum() / mask.sum())
+    def grad(copies):  # the same sequences, `copies` times: the mean's gradient is unchanged
+        logp = trainer_logprobs(model, "bf16", idx.repeat(copies, 1), "cpu")
+        return flat_grad(model, (logp * mask.repeat(copies, 1)).sum() / (copies * mask.sum()))
     once, repeated = grad(1), grad(16)
     n = model.embed_tokens.weight.numel()  # flat_grad's first: the embedding, the first parameter
     assert next(model.parameters()) is model.embed_tokens.weight
