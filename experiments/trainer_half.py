@@ -179,9 +179,10 @@ def print_sites(result):
     print_rows(result["ops"])
     for label in ("bf16", "fp16"):  # on a CPU the trainer's attention is the emulation's
         row = result["ops"]["attention"][label]
-        share = ", ".join(f"{name[10:] or 'the trainer'} {r[label]['match_weights_rounded']:.4f}"
-                          for name, r in result["ops"].items() if "match_weights_rounded"
-                          in r.get(label, {}))
+        share = ", ".join(
+            f"{name.removeprefix('attention_') if name != 'attention' else 'the trainer'} "
+            f"{r[label]['match_weights_rounded']:.4f}"
+            for name, r in result["ops"].items() if "match_weights_rounded" in r.get(label, {}))
         print(f"{label}: the trainer's attention equals bit for bit "
               f"{', '.join(row['equals']) or 'none of the kernels'}; equal to "
               f"weights_rounded: {share}")
