@@ -181,6 +181,10 @@ def train_run(argv, stop_after, variant, calibration=None):
         import sites
 
         record["site_rounding"] = sites.install(variant.site_rounding)
+    if variant.embed_grad != "dtype":  # after the sites': it wraps the trainer's mode as it is
+        import embed32
+
+        record["embed_grad"] = embed32.install()
     if variant.rotary_torch:  # vLLM keeps its first engine's: one a process
         engine_options["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
         record["engine_custom_ops"] = ["-rotary_embedding"]
@@ -243,6 +247,9 @@ def refuse_unfit(variant, args):
         refuse(f"--variant {variant.name}: the dial needs --dial-calibration (dial.py calibrate)")
     if variant.site_rounding != "rne" and machine()["gpu"]:  # sites.py: the CPU trainer's
         refuse(f"--variant {variant.name}: the site rounding is the CPU trainer's; this is a GPU")
+    if variant.embed_grad != "dtype" and machine()["gpu"]:  # a GPU's kernel sums in float32
+        refuse(f"--variant {variant.name}: the embedding's float32 sums are the CPU trainer's "
+               "fix; this is a GPU, whose kernel sums so already")
     if formats(args.extra) != formats(variant.flags):  # args.json would name another
         refuse(f"--variant {variant.name}: its flags are {' '.join(variant.flags)}, the "
                f"run's formats {formats(args.extra)}")

@@ -107,6 +107,11 @@ PLANS["sites-grpo"] = [("grpo", ["bf16-noamx", "bf16-noamx-site-trunc", "bf16-no
 # The trainer's side swapped in bf16-trunc's dip (sites-swap.md): from the same stops as plan
 # swap's (--plan swap-stops --stop-after 10), the trainer truncating like its engine or at rne6.
 PLANS["sites-swap"] = [("gspo-engine", SITE_SWAPS)]
+# The CPU trainer's embedding backward as a GPU's (embed32.md): against the truncating library
+# forced first (does GSPO still fall?), then against the chip's own; bf16-trunc and bf16 their
+# controls (where plan sites or rounding ran, they are there).
+PLANS["embed32"] = [("gspo-engine", ["bf16-trunc", "bf16-trunc-embed32", "bf16",
+                                     "bf16-embed32"])]
 # Scale (scale.md): the headline contrast and the cheap fix on a GPT eight times larger, five
 # seeds: the truncating library forced first, then its rounding control, the cheap fix, and the
 # aligned trainer; a seed's four runs before the next seed's.

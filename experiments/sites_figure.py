@@ -35,11 +35,14 @@ truncates in _C_AVX512 forced or in the chip's own without AVX-512-BF16; the chi
 whose step-0 mean |d| lies where both kinds ran, the falls of each kind and Fisher's exact
 one-sided p (fewer zero-mean falls).
 --arm grpo reads plan sites-grpo's runs; --variants these records alone, Holm over their
-contrasts (a chip's second part of the plan, read apart from its first). Page: experiments/sites.md.
+contrasts (a chip's second part of the plan, read apart from its first; or plan embed32's, the
+CPU trainer's embedding backward summed as a GPU's, its control the same record without it:
+embed32.py). Page: experiments/sites.md.
 """
 import glob
 import math
 import os
+from dataclasses import replace
 
 import matplotlib.pyplot as plt
 
@@ -51,14 +54,14 @@ from results import (COLORS, holm_contrasts, load_experiment, machine_title, par
 from variants import SITE_ROUNDING as MODES, TRUNCATING, VARIANTS, formats
 
 ARM = "gspo-engine"
-ORDER = list(dict.fromkeys(v for plan in ("sites", "sites-grpo") for _, vs in PLANS[plan]
-                           for v in vs))
+ORDER = list(dict.fromkeys(v for plan in ("sites", "sites-grpo", "embed32")
+                           for _, vs in PLANS[plan] for v in vs))
 
 def control_of(v):
-    """The same record with the trainer rounding to nearest at the sites, or None."""
-    rec = VARIANTS[v].recorded()
-    return next((w for w in VARIANTS if w != v and rec[:-1] == VARIANTS[w].recorded()[:-1]
-                 and VARIANTS[w].site_rounding == "rne"), None)
+    """The same record with the trainer as it is (rounding to nearest at the sites, its
+    embedding's backward torch's), or None."""
+    rec = replace(VARIANTS[v], site_rounding="rne", embed_grad="dtype").recorded()
+    return next((w for w in VARIANTS if w != v and VARIANTS[w].recorded() == rec), None)
 
 def cell_of(runs):
     runs = sorted(runs, key=lambda r: r[0])
@@ -241,7 +244,8 @@ def main(argv=None):
         from common import write_json
         return write_json(args.out, matched(args.path, args.matched))
     if unknown := set(args.variants or ()) - set(ORDER):
-        refuse(f"--variants: {' '.join(sorted(unknown))} in no plan sites or sites-grpo")
+        refuse(f"--variants: {' '.join(sorted(unknown))} in no plan sites, sites-grpo or "
+               "embed32")
     out = read(args.path, args.seeds, args.arm, args.variants)
     print_read(out)
     save(figure(out), args.out, out)

@@ -6,6 +6,7 @@ without it): no engine, no sampling.
     python experiments/trainer_half.py --gpu-ablation both --json F  # a GPU's kernels swapped
     python experiments/trainer_half.py --by-part --json F            # the gradient's error by part
     python experiments/trainer_half.py --sites --json F              # how it rounds at the sites
+    python experiments/trainer_half.py --by-part --embed32 --json F  # the CPU's embedding fixed
 
 The held-out problems with their right answers, teacher-forced. Each trainer's log-probs of
 the answers against float32's on the same device, and the gradient of their mean against
@@ -14,10 +15,11 @@ against the same trainer on this machine's CPU, where precision.py emulates them
 there, next to the 16-bit error: the emulation computes what the tensor cores compute.
 --gpu-ablation swaps the GPU's kernels that may differ from the emulation's, one or both;
 --by-part splits each gradient's error by part of the model (where the emulation's backward
-parts from the GPU's: experiments/chips-gpu.md). --sites: rounding.py's op probe for this
-device's trainer at the two sites where vLLM's CPU kernels truncate: the rotary
-(model.apply_rope) and each of SDPA's attention kernels, bf16 and fp16, against the float32
-result rounded to nearest and by truncation.
+parts from the GPU's: experiments/chips-gpu.md); --embed32 runs the CPU's 16-bit trainer with
+its embedding's backward summed in float32, as a GPU's (embed32.py). --sites: rounding.py's
+op probe for this device's trainer at the two sites where vLLM's CPU kernels truncate: the
+rotary (model.apply_rope) and each of SDPA's attention kernels, bf16 and fp16, against the
+float32 result rounded to nearest and by truncation.
 No figure: the tables, and results/<GPU machine>/trainer*.json (experiments/chips.md).
 """
 from contextlib import nullcontext
@@ -44,6 +46,7 @@ BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIE
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
 PARTS = ("embed_tokens", "self_attn", "mlp", "lm_head")  # --by-part; the rest: "norms"
 BATCH = 16  # sequences of the op probe's shapes (rounding.py): 131,072 outputs a row
+EMBED_GRAD = {False: "dtype", True: "float32"}  # the CPU trainer's (embed32.MODES)
 KEYS = ["mismatch_k3", "mismatch_logp_abs_mean", "mismatch_prob_abs_max",
         "mismatch_seq_logratio_abs"]
 
@@ -220,19 +223,24 @@ def main(argv=None, engine=None):
     p.add_argument("--by-part", action="store_true",
                    help="each gradient error also by part of the model (embedding, attention, "
                    "MLP, head, norms), with its share of the squared error")
+    p.add_argument("--embed32", action="store_true",
+                   help="the CPU trainer's embedding backward summed in float32 (embed32.py)")
     p.add_argument("--sites", action="store_true",
                    help="how this device's trainer rounds at the rotary and attention outputs")
     args = parse(p, argv)
     if args.gpu_ablation != "none" and not torch.cuda.is_available():
         common.refuse("--gpu-ablation: the trainer half, on a GPU (none here)")
-    if args.sites and (args.init or args.by_part or args.gpu_ablation != "none"):
+    if args.sites and (args.init or args.by_part or args.embed32 or args.gpu_ablation != "none"):
         common.refuse("--sites reads random inputs through the trainer's ops: it takes no "
-                      "--init, --by-part or --gpu-ablation")
+                      "--init, --by-part, --embed32 or --gpu-ablation")
     if args.sites:
         result = sites_probe(get_precision("fp32").device, args.seed)
         print_sites(result)
         return common.finish(args, result)
-    return common.finish(args, trainer(args, engine))
+    if args.embed32:  # before the trainer runs: its mode is read at each call
+        import embed32
+        embed32.install()
+    return common.finish(args, {**trainer(args, engine), "embed_grad": EMBED_GRAD[args.embed32]})
 
 if __name__ == "__main__":
     main()

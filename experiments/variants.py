@@ -18,6 +18,9 @@ chips that can run it. A record's fields say everything about it; no code reads 
                    before variant's stop at that update
     site_rounding  the trainer's bf16 rounding at the rotary  site_rounding
                    and the attention outputs (sites.py)
+    embed_grad     the CPU trainer's embedding backward:      embed_grad
+                   summed in its dtype (torch's) or float32
+                   as a GPU's (embed32.py)
     needs          the ISA flags a chip must have             (plans.plan_runs drops it elsewhere)
     lacks          the ISA flags a chip must not have         (the same)
     probed         mismatch.py --quick reads its policy       (in PROBED arms)
@@ -62,6 +65,7 @@ class Variant:
     dial: tuple = None  # (dose, shape)
     swap: tuple = None  # (before variant, the update it swaps at)
     site_rounding: str = "rne"  # sites.MODES
+    embed_grad: str = "dtype"  # embed32.MODES
     color: str = None  # matplotlib's; None: the figure's default cycle
     needs: tuple = ()  # ISA flags (instruments.machine's cpu_isa)
     lacks: tuple = ()
@@ -72,7 +76,7 @@ class Variant:
         engine options campaign.train_run records): variant_of matches it."""
         loaded = self.library or ("_C" if self.hide_amx else None)  # rounding.load's answer
         return (*formats(self.flags), loaded, self.hide_amx, self.rotary_torch, self.dial,
-                self.swap, self.site_rounding)
+                self.swap, self.site_rounding, self.embed_grad)
 
 def formats(flags):
     """The dtypes and kernels a list of train_grpo.py flags sets, its defaults where absent."""
@@ -175,6 +179,12 @@ add(Variant("bf16-site-rne5", BF16, site_rounding="rne5", lacks=("amx_tile",),
 for _mode, _color in (("trunc", "teal"), ("rne6", "navy")):  # drawn beside bf16-noamx-site-*
     add(Variant(f"bf16-trunc-site-{_mode}", BF16, library=TRUNCATING, site_rounding=_mode,
                 needs=("avx512_bf16",), color=_color))
+# The CPU trainer's embedding backward summed in float32, as a GPU sums it (embed32.md): the
+# bf16 emulation's backward sums a token's rows in bf16, where most of its gradient's error
+# lies. Against the truncating library forced, does GSPO still fall? Against the chip's own?
+add(Variant("bf16-embed32", BF16, embed_grad="float32", color="lightcoral"))
+add(Variant("bf16-trunc-embed32", BF16, library=TRUNCATING, embed_grad="float32",
+            needs=("avx512_bf16",), color="mediumvioletred"))
 
 # The trainer's side swapped (sites-swap.md): a run against a truncating engine goes on from
 # its stop at SWAP_STEP, in the dip, the engine still truncating and the trainer now truncating
@@ -202,7 +212,7 @@ def variant_of(args):
     seen = (args["dtype"], args.get("engine_dtype", args["dtype"]), args.get("lm_head", "same"),
             args.get("trainer_kernels", "torch"), args.get("kernel_library"),
             bool(args.get("amx_hidden")), bool(args.get("engine_custom_ops")), dial, swap,
-            args.get("site_rounding", "rne"))
+            args.get("site_rounding", "rne"), args.get("embed_grad", "dtype"))
     return next((v for v in VARIANTS.values() if v.recorded() == seen), None)
 
 def runs_on(v, isa):

@@ -146,7 +146,8 @@ def recorded_options(v):
     return {"kernel_library": v.library or ("_C" if v.hide_amx else None), "amx_hidden": v.hide_amx,
             "engine_custom_ops": ["-rotary_embedding"] if v.rotary_torch else None,
             "dial_dose": dial[0], "dial_shape": dial[1], "swap_from": swap[0], "swap_step": swap[1],
-            **({"site_rounding": v.site_rounding} if v.site_rounding != "rne" else {})}
+            **({"site_rounding": v.site_rounding} if v.site_rounding != "rne" else {}),
+            **({"embed_grad": v.embed_grad} if v.embed_grad != "dtype" else {})}
 
 
 @pytest.mark.parametrize("plan", list(plans.PLANS))

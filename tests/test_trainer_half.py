@@ -3,9 +3,6 @@ import pytest
 
 import task
 import trainer_half
-import sites
-from model import load_hf
-from offline import flat_grad, trainer_logprobs
 from precision import INIT_SCALE
 
 
@@ -46,23 +43,3 @@ def test_the_trainers_sites_round_to_nearest_here():
         assert 0.4 < ops[site]["bf16"]["match_truncation"] < 0.6, ops[site]
     assert ops["rotary"]["bf16"]["match_nearest"] == 1.0 and ops["attention_math"]["on_model_path"] is False
 
-
-def test_the_emulations_embedding_gradient_sums_in_16_bits():
-    """--by-part's reading at its cause (experiments/chips-gpu.md): the bf16 trainer's gradient
-    of a batch's mean log-prob, the batch repeated 16 times, moves in the embedding by more than
-    ten times what it moves in the rest of the model: on a CPU the embedding's backward sums a
-    token's rows in bf16, where every matmul's sums in float32 before one rounding."""
-    model = load_hf(sites.default_warm_start(0), "cpu").eval()
-    idx, mask = sites.teacher_forced(0)
-
-    def grad(copies):  # the same sequences, `copies` times: the mean's gradient is unchanged
-        logp = trainer_logprobs(model, "bf16", idx.repeat(copies, 1), "cpu")
-        return flat_grad(model, (logp * mask.repeat(copies, 1)).sum() / (copies * mask.sum()))
-    once, repeated = grad(1), grad(16)
-    n = model.embed_tokens.weight.numel()  # flat_grad's first: the embedding, the first parameter
-    assert next(model.parameters()) is model.embed_tokens.weight
-
-    def moved(a, b):
-        return ((a - b).norm() / a.norm()).item()
-    embedding, rest = moved(once[:n], repeated[:n]), moved(once[n:], repeated[n:])
-    assert embedding > 10 * rest, (embedding, rest)
