@@ -141,6 +141,9 @@ PLANS["scale-grpo"] = [("grpo-x8", ["bf16", "bf16-site-trunc"])]
 # The same with the engine's truncating library forced (scale-grpo.md), which made gspo-engine-x8
 # fall in 8 of 8 here: the issue's "grpo for every variant that fell", its other one at 7M.
 PLANS["scale-grpo-trunc"] = [("grpo-x8", ["bf16", "bf16-trunc"])]
+# The CPU trainer's embedding backward as a GPU's on the larger GPT (embed32.md), where the
+# truncating library forced made gspo-engine-x8 fall in 8 of 8 here: does it still?
+PLANS["scale-embed32"] = [("gspo-engine-x8", ["bf16-trunc", "bf16-trunc-embed32"])]
 
 def probed(name):
     """Whether mismatch.py --quick reads a run's policy: a PROBED arm's run of a probed variant

@@ -17,7 +17,8 @@ both: fp16 beside bf16, scale-fp16.md; --plan scale-sites on any chip without AM
 trainer and the trainer's rounding at the two sites beside the chip's bf16, scale-sites.md;
 --plan scale-rne5 where the engine rounds: a larger zero-mean error, scale-rne5.md; --plan
 scale-grpo: vanilla GRPO, arms grpo-x8 and grpo, scale-grpo.md; scale-grpo-trunc, the same
-with the engine's truncating library forced):
+with the engine's truncating library forced; scale-embed32, the CPU trainer's embedding backward
+summed in float32 against that library, embed32.md):
 
     nohup python experiments/campaign.py --plan scale --seeds 0 1 2 3 4 > runs/scale.log &
     python experiments/scale.py $M --seeds 0 1 2 3 4 --out figures/scale-intel-amx.png
@@ -29,7 +30,8 @@ larger GPT's are the pre-registered family (scale.md); then each fall's growth o
 on the rows before its step (sites_figure.print_growth). The figure: a panel per arm, each
 seed's held-out by variant, a dot sized by that run's step-0 mean |d|. --arms reads one arm
 alone (its numbers as beside the other); --warm-starts reads both, a seed's row the pair.
-Pages: experiments/scale.md, scale-fp16.md, scale-sites.md, scale-rne5.md, scale-grpo.md.
+Pages: experiments/scale.md, scale-fp16.md, scale-sites.md, scale-rne5.md, scale-grpo.md,
+embed32.md.
 """
 import os
 import subprocess
@@ -76,7 +78,10 @@ FAMILIES = {"scale": rounding_family("bf16-noamx"), "scale-own": rounding_family
             # vanilla GRPO, pi_old the trainer's: does the trainer's truncation cost it at 7M?
             "scale-grpo": ([("bf16-site-trunc", "bf16")], [("bf16-site-trunc", "bf16")]),
             # ... and with the engine's truncating library forced (where the chip can run it)
-            "scale-grpo-trunc": ([("bf16-trunc", "bf16")], [("bf16-trunc", "bf16")])}
+            "scale-grpo-trunc": ([("bf16-trunc", "bf16")], [("bf16-trunc", "bf16")]),
+            # the CPU trainer's embedding backward as a GPU's, the engine truncating (embed32.md)
+            "scale-embed32": ([("bf16-trunc-embed32", "bf16-trunc")],
+                              [("bf16-trunc-embed32", "bf16-trunc")])}
 
 def step0_ratios(cells, pairs):
     """Each pair's step-0 mean |d|, the first's over the second's, seed by seed: mean, range."""
@@ -200,8 +205,9 @@ def main(argv=None):
                         "scale-fp16 (fp16 beside bf16), scale-sites (the aligned trainer and "
                         "the trainer's rounding at the two sites beside bf16), scale-rne5 "
                         "(a zero-mean error larger than rne6's), scale-grpo (vanilla GRPO, "
-                        "grpo-x8 beside grpo) or scale-grpo-trunc (the same, the engine "
-                        "truncating)")
+                        "grpo-x8 beside grpo), scale-grpo-trunc (the same, the engine "
+                        "truncating) or scale-embed32 (the CPU trainer's embedding backward "
+                        "in float32, the engine truncating)")
     args = parse_runs(p, argv)
     if args.warm_starts and args.arms:  # a seed's row sets the larger beside the smaller
         refuse("--warm-starts reads both arms' warm starts: drop --arms")
