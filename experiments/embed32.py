@@ -59,20 +59,20 @@ def plain(args, kwargs):
     given = {**dict(zip(names, args[2:])), **(kwargs or {})}
     return args[:2] if all(given[k] == defaults[k] for k in given) else None
 
-def install(base=None):
+def install():
     """The 16-bit trainer's embedding backward in float32, for this process: a subclass of
     the trainer's mode as it stands (sites.install first, where a variant has both)."""
-    base = base or precision.TensorCoreMatmuls
+    base = precision.TensorCoreMatmuls
 
     class Embed32(base):
+        below = base  # what uninstall puts back
+
         def __torch_function__(self, func, types, args=(), kwargs=None):
             call = plain(args, kwargs) if func is F.embedding and self.strict else None
-            sixteen_bit = call and self.dtype != torch.float32
-            if sixteen_bit and call[1].dtype == self.dtype:  # the trainer's cast weight
+            if call and call[1].dtype == self.dtype:  # the 16-bit trainer's cast weight
                 return Embedding32.apply(*call)
             return super().__torch_function__(func, types, args, kwargs)
 
-    Embed32.below = base
     precision.TensorCoreMatmuls = Embed32  # logits_fn reads the name at each call
     return "float32"
 
@@ -80,6 +80,3 @@ def uninstall():
     """The trainer's mode as it was before install (tests: both trainers in one process)."""
     installed = precision.TensorCoreMatmuls
     precision.TensorCoreMatmuls = getattr(installed, "below", installed)
-
-if __name__ == "__main__":
-    common.refuse("a module: install() (the docstring's commands run it)")
