@@ -32,8 +32,7 @@ import torch.nn.functional as F
 
 import common  # first: it puts the core (precision.py) on the path
 import precision
-
-MODES = ("dtype", "float32")  # variants.py's embed_grad: torch's CPU kernel's sums, or a GPU's
+from variants import EMBED_GRAD as MODES  # torch's CPU kernel's sums, or a GPU's
 
 class Embedding32(torch.autograd.Function):
     """F.embedding(idx, weight), its weight's gradient summed in float32, rounded once."""
@@ -74,7 +73,7 @@ def install():
             return super().__torch_function__(func, types, args, kwargs)
 
     precision.TensorCoreMatmuls = Embed32  # logits_fn reads the name at each call
-    return "float32"
+    return MODES[1]
 
 def uninstall():
     """The trainer's mode as it was before install (tests: both trainers in one process)."""

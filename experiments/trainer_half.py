@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import common
+import embed32
 import task
 from common import machine_line
 from instruments import machine
@@ -46,7 +47,6 @@ BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIE
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
 PARTS = ("embed_tokens", "self_attn", "mlp", "lm_head")  # --by-part; the rest: "norms"
 BATCH = 16  # sequences of the op probe's shapes (rounding.py): 131,072 outputs a row
-EMBED_GRAD = {False: "dtype", True: "float32"}  # the CPU trainer's (embed32.MODES)
 KEYS = ["mismatch_k3", "mismatch_logp_abs_mean", "mismatch_prob_abs_max",
         "mismatch_seq_logratio_abs"]
 
@@ -238,9 +238,8 @@ def main(argv=None, engine=None):
         print_sites(result)
         return common.finish(args, result)
     if args.embed32:  # before the trainer runs: its mode is read at each call
-        import embed32
         embed32.install()
-    return common.finish(args, {**trainer(args, engine), "embed_grad": EMBED_GRAD[args.embed32]})
+    return common.finish(args, {**trainer(args, engine), "embed_grad": embed32.MODES[args.embed32]})
 
 if __name__ == "__main__":
     main()

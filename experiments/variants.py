@@ -65,7 +65,7 @@ class Variant:
     dial: tuple = None  # (dose, shape)
     swap: tuple = None  # (before variant, the update it swaps at)
     site_rounding: str = "rne"  # sites.MODES
-    embed_grad: str = "dtype"  # embed32.MODES
+    embed_grad: str = "dtype"  # EMBED_GRAD
     color: str = None  # matplotlib's; None: the figure's default cycle
     needs: tuple = ()  # ISA flags (instruments.machine's cpu_isa)
     lacks: tuple = ()
@@ -182,6 +182,7 @@ for _mode, _color in (("trunc", "teal"), ("rne6", "navy")):  # drawn beside bf16
 # The CPU trainer's embedding backward summed in float32, as a GPU sums it (embed32.md): the
 # bf16 emulation's backward sums a token's rows in bf16, where most of its gradient's error
 # lies. Against the truncating library forced, does GSPO still fall? Against the chip's own?
+EMBED_GRAD = ("dtype", "float32")  # embed32.py's: torch's CPU kernel's sums, or a GPU's
 add(Variant("bf16-embed32", BF16, embed_grad="float32", color="lightcoral"))
 add(Variant("bf16-trunc-embed32", BF16, library=TRUNCATING, embed_grad="float32",
             needs=("avx512_bf16",), color="mediumvioletred"))
