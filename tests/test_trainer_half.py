@@ -42,4 +42,3 @@ def test_the_trainers_sites_round_to_nearest_here():
             assert row["match_nearest"] > 0.998 and abs(row["magnitude_bias"]) < 1e-4, (site, row)
         assert 0.4 < ops[site]["bf16"]["match_truncation"] < 0.6, ops[site]
     assert ops["rotary"]["bf16"]["match_nearest"] == 1.0 and ops["attention_math"]["on_model_path"] is False
-
