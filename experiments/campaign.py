@@ -185,6 +185,10 @@ def train_run(argv, stop_after, variant, calibration=None):
         import embed32
 
         record["embed_grad"] = embed32.install()
+    if variant.attention_weights != "float32":  # a fused kernel's, the sites' left at rne
+        import fused
+
+        record["attention_weights"] = fused.install()
     if variant.rotary_torch:  # vLLM keeps its first engine's: one a process
         engine_options["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
         record["engine_custom_ops"] = ["-rotary_embedding"]
@@ -250,6 +254,9 @@ def refuse_unfit(variant, args):
     if variant.embed_grad != "dtype" and machine()["gpu"]:  # a GPU's kernel sums in float32
         refuse(f"--variant {variant.name}: the embedding's float32 sums are the CPU trainer's "
                "fix; this is a GPU, whose kernel sums so already")
+    if variant.attention_weights != "float32" and machine()["gpu"]:  # its fused kernel does
+        refuse(f"--variant {variant.name}: the fused attention is the CPU trainer's model of a "
+               "GPU's kernel; this is a GPU")
     if formats(args.extra) != formats(variant.flags):  # args.json would name another
         refuse(f"--variant {variant.name}: its flags are {' '.join(variant.flags)}, the "
                f"run's formats {formats(args.extra)}")

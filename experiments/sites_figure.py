@@ -54,13 +54,14 @@ from results import (COLORS, holm_contrasts, load_experiment, machine_title, par
 from variants import SITE_ROUNDING as MODES, TRUNCATING, VARIANTS, formats
 
 ARM = "gspo-engine"
-ORDER = list(dict.fromkeys(v for plan in ("sites", "sites-grpo", "embed32")
+ORDER = list(dict.fromkeys(v for plan in ("sites", "sites-grpo", "embed32", "gpulike")
                            for _, vs in PLANS[plan] for v in vs))
 
 def control_of(v):
     """The same record with the trainer as it is (rounding to nearest at the sites, its
-    embedding's backward torch's), or None."""
-    rec = replace(VARIANTS[v], site_rounding="rne", embed_grad="dtype").recorded()
+    embedding's backward torch's, its attention the emulation's), or None."""
+    rec = replace(VARIANTS[v], site_rounding="rne", embed_grad="dtype",
+                  attention_weights="float32").recorded()
     return next((w for w in VARIANTS if w != v and VARIANTS[w].recorded() == rec), None)
 
 def cell_of(runs):

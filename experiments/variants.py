@@ -21,6 +21,10 @@ chips that can run it. A record's fields say everything about it; no code reads 
     embed_grad     the CPU trainer's embedding backward:      embed_grad
                    summed in its dtype (torch's) or float32
                    as a GPU's (embed32.py)
+    attention_weights
+                   the CPU trainer's softmax weights before   attention_weights
+                   V: float32 (the emulation's) or rounded to
+                   the dtype, as a fused kernel's (fused.py)
     needs          the ISA flags a chip must have             (plans.plan_runs drops it elsewhere)
     lacks          the ISA flags a chip must not have         (the same)
     probed         mismatch.py --quick reads its policy       (in PROBED arms)
@@ -66,6 +70,7 @@ class Variant:
     swap: tuple = None  # (before variant, the update it swaps at)
     site_rounding: str = "rne"  # sites.MODES
     embed_grad: str = "dtype"  # EMBED_GRAD
+    attention_weights: str = "float32"  # ATTENTION_WEIGHTS
     color: str = None  # matplotlib's; None: the figure's default cycle
     needs: tuple = ()  # ISA flags (instruments.machine's cpu_isa)
     lacks: tuple = ()
@@ -76,7 +81,7 @@ class Variant:
         engine options campaign.train_run records): variant_of matches it."""
         loaded = self.library or ("_C" if self.hide_amx else None)  # rounding.load's answer
         return (*formats(self.flags), loaded, self.hide_amx, self.rotary_torch, self.dial,
-                self.swap, self.site_rounding, self.embed_grad)
+                self.swap, self.site_rounding, self.embed_grad, self.attention_weights)
 
 def formats(flags):
     """The dtypes and kernels a list of train_grpo.py flags sets, its defaults where absent."""
@@ -186,6 +191,14 @@ EMBED_GRAD = ("dtype", "float32")  # embed32.py's: torch's CPU kernel's sums, or
 add(Variant("bf16-embed32", BF16, embed_grad="float32", color="lightcoral"))
 add(Variant("bf16-trunc-embed32", BF16, library=TRUNCATING, embed_grad="float32",
             needs=("avx512_bf16",), color="mediumvioletred"))
+# The CPU trainer as near a GPU's as it goes (gpulike.md): embed32's backward, and the attention
+# as a fused kernel's, its softmax weights rounded to bf16 before V (fused.py). Against the
+# truncating library forced: a GPU's trainer against a truncating engine.
+ATTENTION_WEIGHTS = ("float32", "dtype")  # fused.py's: the emulation's, or a fused kernel's
+add(Variant("bf16-gpulike", BF16, embed_grad="float32", attention_weights="dtype",
+            color="rosybrown"))
+add(Variant("bf16-trunc-gpulike", BF16, library=TRUNCATING, embed_grad="float32",
+            attention_weights="dtype", needs=("avx512_bf16",), color="darkred"))
 
 # The trainer's side swapped (sites-swap.md): a run against a truncating engine goes on from
 # its stop at SWAP_STEP, in the dip, the engine still truncating and the trainer now truncating
@@ -213,7 +226,8 @@ def variant_of(args):
     seen = (args["dtype"], args.get("engine_dtype", args["dtype"]), args.get("lm_head", "same"),
             args.get("trainer_kernels", "torch"), args.get("kernel_library"),
             bool(args.get("amx_hidden")), bool(args.get("engine_custom_ops")), dial, swap,
-            args.get("site_rounding", "rne"), args.get("embed_grad", "dtype"))
+            args.get("site_rounding", "rne"), args.get("embed_grad", "dtype"),
+            args.get("attention_weights", "float32"))
     return next((v for v in VARIANTS.values() if v.recorded() == seen), None)
 
 def runs_on(v, isa):

@@ -147,7 +147,9 @@ def recorded_options(v):
             "engine_custom_ops": ["-rotary_embedding"] if v.rotary_torch else None,
             "dial_dose": dial[0], "dial_shape": dial[1], "swap_from": swap[0], "swap_step": swap[1],
             **({"site_rounding": v.site_rounding} if v.site_rounding != "rne" else {}),
-            **({"embed_grad": v.embed_grad} if v.embed_grad != "dtype" else {})}
+            **({"embed_grad": v.embed_grad} if v.embed_grad != "dtype" else {}),
+            **({"attention_weights": v.attention_weights}
+               if v.attention_weights != "float32" else {})}
 
 
 @pytest.mark.parametrize("plan", list(plans.PLANS))

@@ -180,8 +180,10 @@ def test_growth_names_the_falls_and_the_dips_that_held(capsys):
 
 def test_each_variants_control_is_its_record_with_the_trainer_as_it_is():
     """The paired control: the same record, the trainer rounding to nearest at the sites and its
-    embedding's backward torch's (plan embed32's beside plan sites')."""
+    embedding's backward torch's, its attention the emulation's (plans embed32's and gpulike's
+    beside plan sites')."""
     pairs = {"bf16-site-trunc": "bf16", "bf16-noamx-site-away": "bf16-noamx",
              "bf16-trunc-site-rne6": "bf16-trunc", "bf16-embed32": "bf16",
-             "bf16-trunc-embed32": "bf16-trunc", "bf16": None, "bf16-trunc": None}
+             "bf16-trunc-embed32": "bf16-trunc", "bf16-gpulike": "bf16",
+             "bf16-trunc-gpulike": "bf16-trunc", "bf16": None, "bf16-trunc": None}
     assert {v: sites_figure.control_of(v) for v in pairs} == pairs
