@@ -64,6 +64,7 @@ def install():
             sdpa = func is F.scaled_dot_product_attention and self.strict
             call = plain(args, kwargs) if sdpa else None
             if call and all(t.dtype == self.dtype for t in call):
+                # the output rounded once, to nearest, as the kernel writes it
                 return weights_rounded(*call, self.dtype).to(self.dtype)
             return super().__torch_function__(func, types, args, kwargs)
 
