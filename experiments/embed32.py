@@ -30,8 +30,7 @@ Page: experiments/embed32.md. Left out: sparse gradients, max_norm and scale_gra
 import torch
 import torch.nn.functional as F
 
-import common  # first: it puts the core (precision.py) on the path
-import precision
+import layers
 from variants import EMBED_GRAD as MODES  # torch's CPU kernel's sums, or a GPU's
 
 class Embedding32(torch.autograd.Function):
@@ -58,24 +57,17 @@ def plain(args, kwargs):
     given = {**dict(zip(names, args[2:])), **(kwargs or {})}
     return args[:2] if all(given[k] == defaults[k] for k in given) else None
 
+def embedding(mode, func, args, kwargs):
+    """layers.add's handler: a plain F.embedding of the trainer's cast weight, summed in float32."""
+    call = plain(args, kwargs) if func is F.embedding else None
+    if call and call[1].dtype == mode.dtype:  # the 16-bit trainer's cast weight
+        return Embedding32.apply(*call)
+    return None
+
 def install():
-    """The 16-bit trainer's embedding backward in float32, for this process: a subclass of
-    the trainer's mode as it stands (sites.install first, where a variant has both)."""
-    base = precision.TensorCoreMatmuls
-
-    class Embed32(base):
-        below = base  # what uninstall puts back
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            call = plain(args, kwargs) if func is F.embedding and self.strict else None
-            if call and call[1].dtype == self.dtype:  # the 16-bit trainer's cast weight
-                return Embedding32.apply(*call)
-            return super().__torch_function__(func, types, args, kwargs)
-
-    precision.TensorCoreMatmuls = Embed32  # logits_fn reads the name at each call
+    """The 16-bit trainer's embedding backward in float32, for this process: a layer on the
+    trainer's mode as it stands (sites.install first, where a variant has both)."""
+    layers.add(embedding)
     return MODES[1]
 
-def uninstall():
-    """The trainer's mode as it was before install (tests: both trainers in one process)."""
-    installed = precision.TensorCoreMatmuls
-    precision.TensorCoreMatmuls = getattr(installed, "below", installed)
+uninstall = layers.remove  # the trainer's mode as it was before install

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import common  # first: it puts the core (precision.py) on the path
+import layers
 import precision
 from variants import ATTENTION_WEIGHTS as MODES  # the emulation's, or a fused kernel's
 
@@ -50,28 +51,20 @@ def plain(args, kwargs):
     fits = given.get("is_causal") and all(given[k] == expected.get(k) for k in given)
     return args[:3] if fits else None
 
+def attention(mode, func, args, kwargs):
+    """layers.add's handler: a plain causal SDPA of the trainer's dtype, as a fused kernel's."""
+    call = plain(args, kwargs) if func is F.scaled_dot_product_attention else None
+    if call and all(t.dtype == mode.dtype for t in call):
+        # the output rounded once, to nearest, as the kernel writes it
+        return weights_rounded(*call, mode.dtype).to(mode.dtype)
+    return None
+
 def install():
-    """The 16-bit trainer's attention as a fused kernel's, for this process: a subclass of
-    the trainer's mode as it stands (refused with sites' rounding: both round the output)."""
-    base = precision.TensorCoreMatmuls
-    if getattr(base, "mode", "rne") != "rne":
+    """The 16-bit trainer's attention as a fused kernel's, for this process: a layer on the
+    trainer's mode as it stands (refused with sites' rounding: both round the output)."""
+    if getattr(precision.TensorCoreMatmuls, "mode", "rne") != "rne":
         raise ValueError("fused attention with a site rounding: one rounds what the other does")
-
-    class Fused(base):
-        below = base  # what uninstall puts back
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            sdpa = func is F.scaled_dot_product_attention and self.strict
-            call = plain(args, kwargs) if sdpa else None
-            if call and all(t.dtype == self.dtype for t in call):
-                # the output rounded once, to nearest, as the kernel writes it
-                return weights_rounded(*call, self.dtype).to(self.dtype)
-            return super().__torch_function__(func, types, args, kwargs)
-
-    precision.TensorCoreMatmuls = Fused  # logits_fn reads the name at each call
+    layers.add(attention)
     return MODES[1]
 
-def uninstall():
-    """The trainer's mode as it was before install (tests: both trainers in one process)."""
-    installed = precision.TensorCoreMatmuls
-    precision.TensorCoreMatmuls = getattr(installed, "below", installed)
+uninstall = layers.remove  # the trainer's mode as it was before install
