@@ -27,7 +27,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-import common  # first: it puts the core (precision.py) on the path
 import layers
 import precision
 from variants import ATTENTION_WEIGHTS as MODES  # the emulation's, or a fused kernel's
