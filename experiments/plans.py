@@ -114,7 +114,8 @@ PLANS["embed32"] = [("gspo-engine", ["bf16-trunc", "bf16-trunc-embed32", "bf16",
                                      "bf16-embed32"])]
 # The CPU trainer as near a GPU's as it goes (gpulike.md): embed32's backward and a fused
 # kernel's attention, against the truncating library forced, then against the chip's own.
-PLANS["gpulike"] = [("gspo-engine", ["bf16-trunc", "bf16-trunc-gpulike", "bf16", "bf16-gpulike"])]
+PLANS["gpulike"] = [("gspo-engine", ["bf16-trunc", "bf16-trunc-gpulike", "bf16", "bf16-gpulike",
+                                     "bf16-trunc-fused"])]  # its attention alone: gpulike-seeds.md
 # Scale (scale.md): the headline contrast and the cheap fix on a GPT eight times larger, five
 # seeds: the truncating library forced first, then its rounding control, the cheap fix, and the
 # aligned trainer; a seed's four runs before the next seed's.

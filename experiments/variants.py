@@ -199,6 +199,9 @@ add(Variant("bf16-gpulike", BF16, embed_grad="float32", attention_weights="dtype
             color="rosybrown"))
 add(Variant("bf16-trunc-gpulike", BF16, library=TRUNCATING, embed_grad="float32",
             attention_weights="dtype", needs=("avx512_bf16",), color="darkred"))
+# The fused kernel's attention alone (gpulike-seeds.md): which of gpulike's two parts moved it?
+add(Variant("bf16-trunc-fused", BF16, library=TRUNCATING, attention_weights="dtype",
+            needs=("avx512_bf16",), color="sienna"))
 
 # The trainer's side swapped (sites-swap.md): a run against a truncating engine goes on from
 # its stop at SWAP_STEP, in the dip, the engine still truncating and the trainer now truncating
