@@ -184,7 +184,7 @@ def train_run(argv, stop_after, variant, calibration=None):
     if variant.embed_grad != "dtype":  # after the sites': it wraps the trainer's mode as it is
         import embed32
 
-        record["embed_grad"] = embed32.install()
+        record["embed_grad"] = embed32.install(variant.embed_grad)
     if variant.attention_weights != "float32":  # a fused kernel's, the sites' left at rne
         import fused
 
@@ -251,9 +251,9 @@ def refuse_unfit(variant, args):
         refuse(f"--variant {variant.name}: the dial needs --dial-calibration (dial.py calibrate)")
     if variant.site_rounding != "rne" and machine()["gpu"]:  # sites.py: the CPU trainer's
         refuse(f"--variant {variant.name}: the site rounding is the CPU trainer's; this is a GPU")
-    if variant.embed_grad != "dtype" and machine()["gpu"]:  # a GPU's kernel sums in float32
-        refuse(f"--variant {variant.name}: the embedding's float32 sums are the CPU trainer's "
-               "fix; this is a GPU, whose kernel sums so already")
+    if variant.embed_grad != "dtype" and machine()["gpu"]:  # a GPU's kernel sums its own way
+        refuse(f"--variant {variant.name}: the embedding's sums (embed32.py) are the CPU "
+               "trainer's; this is a GPU, whose kernel sums in float32")
     if variant.attention_weights != "float32" and machine()["gpu"]:  # its fused kernel does
         refuse(f"--variant {variant.name}: the fused attention is the CPU trainer's model of a "
                "GPU's kernel; this is a GPU")

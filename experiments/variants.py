@@ -187,7 +187,7 @@ for _mode, _color in (("trunc", "teal"), ("rne6", "navy")):  # drawn beside bf16
 # The CPU trainer's embedding backward summed in float32, as a GPU sums it (embed32.md): the
 # bf16 emulation's backward sums a token's rows in bf16, where most of its gradient's error
 # lies. Against the truncating library forced, does GSPO still fall? Against the chip's own?
-EMBED_GRAD = ("dtype", "float32")  # embed32.py's: torch's CPU kernel's sums, or a GPU's
+EMBED_GRAD = ("dtype", "float32", "reversed")  # embed32.py's: torch's, a GPU's, torch's reordered
 add(Variant("bf16-embed32", BF16, embed_grad="float32", color="lightcoral"))
 add(Variant("bf16-trunc-embed32", BF16, library=TRUNCATING, embed_grad="float32",
             needs=("avx512_bf16",), color="mediumvioletred"))
@@ -202,6 +202,10 @@ add(Variant("bf16-trunc-gpulike", BF16, library=TRUNCATING, embed_grad="float32"
 # The fused kernel's attention alone (gpulike-seeds.md): which of gpulike's two parts moved it?
 add(Variant("bf16-trunc-fused", BF16, library=TRUNCATING, attention_weights="dtype",
             needs=("avx512_bf16",), color="sienna"))
+# The neutral change (gpulike-seeds.md): the embedding's rows summed in bf16 as torch sums them,
+# last position first; its error embed32 removes, the same kind and size, drawn again.
+add(Variant("bf16-trunc-embedrev", BF16, library=TRUNCATING, embed_grad="reversed",
+            needs=("avx512_bf16",), color="palevioletred"))
 
 # The trainer's side swapped (sites-swap.md): a run against a truncating engine goes on from
 # its stop at SWAP_STEP, in the dip, the engine still truncating and the trainer now truncating

@@ -185,6 +185,7 @@ def test_each_variants_control_is_its_record_with_the_trainer_as_it_is():
     pairs = {"bf16-site-trunc": "bf16", "bf16-noamx-site-away": "bf16-noamx",
              "bf16-trunc-site-rne6": "bf16-trunc", "bf16-embed32": "bf16",
              "bf16-trunc-embed32": "bf16-trunc", "bf16-gpulike": "bf16",
-             "bf16-trunc-gpulike": "bf16-trunc", "bf16-trunc-fused": "bf16-trunc", "bf16": None,
+             "bf16-trunc-gpulike": "bf16-trunc", "bf16-trunc-fused": "bf16-trunc",
+             "bf16-trunc-embedrev": "bf16-trunc", "bf16": None,
              "bf16-trunc": None}
     assert {v: sites_figure.control_of(v) for v in pairs} == pairs
