@@ -24,7 +24,7 @@ and what it changes in the gradient, part by part (the CPU's rows; a GPU's are i
 
     python experiments/trainer_half.py --by-part --embed32 --json F
 
-install("reversed") is the neutral change beside it (gpulike-seeds.md): the rows summed in the
+install("reversed") is the neutral change beside it (embedrev.md): the rows summed in the
 dtype as torch's kernel sums them, one rounding an add, but in the reverse order of positions:
 an error of the same kind and size, another draw of it. Does any change of the trainer lift GSPO
 against the truncating engine, or the float32 sums? Its size against torch's, on each seed's
@@ -37,8 +37,8 @@ warm start (the bf16 trainer's gradient of its mean answer log-prob, teacher-for
     float32    in float32, then rounded (a GPU's kernel)   one
     reversed   in the dtype, last position first           one an add
 
-Page: experiments/embed32.md. Left out: sparse gradients, max_norm and scale_grad_by_freq
-(the model uses none; the mode leaves such a call to torch).
+Pages: experiments/embed32.md, experiments/embedrev.md. Left out: sparse gradients, max_norm
+and scale_grad_by_freq (the model uses none; the mode leaves such a call to torch).
 """
 import torch
 import torch.nn.functional as F

@@ -110,7 +110,7 @@ PLANS["sites-swap"] = [("gspo-engine", SITE_SWAPS)]
 # The CPU trainer's embedding backward as a GPU's (embed32.md): against the truncating library
 # forced first (does GSPO still fall?), then against the chip's own; bf16-trunc and bf16 their
 # controls (where plan sites or rounding ran, they are there).
-# bf16-trunc-embedrev: torch's bf16 sums in another order, the neutral change (gpulike-seeds.md)
+# bf16-trunc-embedrev: torch's bf16 sums in another order, the neutral change (embedrev.md)
 PLANS["embed32"] = [("gspo-engine", ["bf16-trunc", "bf16-trunc-embed32", "bf16",
                                      "bf16-embed32", "bf16-trunc-embedrev"])]
 # The CPU trainer as near a GPU's as it goes (gpulike.md): embed32's backward and a fused

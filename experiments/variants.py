@@ -202,7 +202,7 @@ add(Variant("bf16-trunc-gpulike", BF16, library=TRUNCATING, embed_grad="float32"
 # The fused kernel's attention alone (gpulike-seeds.md): which of gpulike's two parts moved it?
 add(Variant("bf16-trunc-fused", BF16, library=TRUNCATING, attention_weights="dtype",
             needs=("avx512_bf16",), color="sienna"))
-# The neutral change (gpulike-seeds.md): the embedding's rows summed in bf16 as torch sums them,
+# The neutral change (embedrev.md): the embedding's rows summed in bf16 as torch sums them,
 # last position first; its error embed32 removes, the same kind and size, drawn again.
 add(Variant("bf16-trunc-embedrev", BF16, library=TRUNCATING, embed_grad="reversed",
             needs=("avx512_bf16",), color="palevioletred"))
