@@ -91,13 +91,14 @@ def test_trainer_half_embed32_moves_the_embedding_alone(restore):
 def test_reversed_sums_as_torch_does_in_the_other_order():
     """The neutral change: embed32.sums_in_dtype in the order of positions is torch's CPU kernel's
     bf16 embedding backward to the bit, on the trainer's batch; reversed, another draw of the same
-    error: it moves most reached entries, its mean |error| against the exact sum within 20 % of
+    error: it moves most reached entries, its mean |error| against the exact sum 0.8-1.25x
     torch's, each at least twice the one rounding's of the exact sum (a GPU's)."""
     r = embed32.sum_errors(0)
     e = r["mean_abs_error"]
     assert r["dtype_is_torchs"]
     assert r["moved"] > 0.5 and 0.8 < r["reversed_over_dtype"] < 1.25, r
     assert min(e["dtype"], e["reversed"]) > 2 * e["float32"], e
+
 
 def test_install_reversed_moves_the_embeddings_gradient_alone(restore):
     """install("reversed"): the log-probs and every other gradient bit for bit, the embedding's
