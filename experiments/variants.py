@@ -180,8 +180,9 @@ for _mode in SITE_MODES:
 add(Variant("bf16-site-rne5", BF16, site_rounding="rne5", lacks=("amx_tile",),
             needs=("avx512_bf16",), color="olivedrab"))
 # The same against this chip's truncating library forced (bf16-trunc, whose seeds are their
-# control), on a chip whose own library rounds: the cheap fix where its engine rounds.
-for _mode, _color in (("trunc", "teal"), ("rne6", "navy")):  # drawn beside bf16-noamx-site-*
+# control), on a chip whose own library rounds: the cheap fix where its engine rounds. sym is
+# rne6's redraw (symredraw.md): zero-mean, the same mean |error| at the op, another rule.
+for _mode, _color in (("trunc", "teal"), ("rne6", "navy"), ("sym", "cadetblue")):
     add(Variant(f"bf16-trunc-site-{_mode}", BF16, library=TRUNCATING, site_rounding=_mode,
                 needs=("avx512_bf16",), color=_color))
 # The CPU trainer's embedding backward summed in float32, as a GPU sums it (embed32.md): the
