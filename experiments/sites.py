@@ -12,12 +12,16 @@ cast's: the gradient cast back to float32, unchanged):
     rne6   to nearest at 6 kept mantissa bits              0                 1/2 ulp
     sym    toward zero or away, by a hash of the value     0                 1/2 ulp
     rne5   to nearest at 5 kept mantissa bits              0                 1 ulp
+    nudge  to nearest, nudged 1/4 ulp up or down by the hash   0                 5/16 ulp
 
 (ulp: bf16's unit in the last place at the value; the means over uniformly spread low bits.)
 So the four after rne have the same mean |error| at the op, and only the sign's structure
 differs: trunc and away one-signed in size, rne6 and sym zero-mean. rne5 is a size dial:
 zero-mean at twice their error, for where one-signed errors add up to a larger token mismatch
-than zero-mean ones of the same size at the op (the 7M GPT, scale-rne5.md).
+than zero-mean ones of the same size at the op (the 7M GPT, scale-rne5.md). nudge is the
+neutral change (symredraw.md): rne's rule, a quarter of the values a step the other way (those
+within 1/4 ulp of a tie, pushed across it by the coin), so 1.25x rne's error: the trainer's path
+drawn again at about its own error size.
 
     python experiments/campaign.py --arms gspo-engine --variants bf16-site-trunc --seeds 0 1
 
@@ -53,8 +57,13 @@ from variants import SITE_MODES, SITE_ROUNDING as MODES
 
 LOW = 0xFFFF  # the 16 bits a bf16 drops from a float32
 KEPT = {"rne6": 6, "rne5": 5}  # the to-nearest modes' kept mantissa bits (a bf16 keeps 7)
-HASH = 0x9E3779B1  # Knuth's multiplicative hash: sym's coin, a function of the value alone
+HASH = 0x9E3779B1  # Knuth's multiplicative hash: the coin, a function of the value alone
+NUDGE = 0x4000  # nudge's push, a quarter of the 16 dropped bits' range: 1/4 ulp
 ACTIVE = []  # the mode while the 16-bit trainer runs (SiteRounding); empty: rne everywhere
+
+def coin(bits):
+    """sym's and nudge's coin: the top bit of the pattern times HASH, half of values each way."""
+    return (((bits * HASH) & 0xFFFFFFFF) >> 31) == 1
 
 def round_bits(x, mode):
     """float32 -> float32 holding a bf16 value, rounded in `mode` on the bit pattern
@@ -66,10 +75,13 @@ def round_bits(x, mode):
         bits = (bits + (1 << (drop - 1)) - 1 + lsb) & ~((1 << drop) - 1)
     elif mode == "trunc":  # drop the low 16 bits
         bits = bits & ~LOW
+    elif mode == "nudge":  # +-1/4 ulp, then to nearest, ties to even: still a bf16 neighbour
+        bits = bits + torch.where(coin(bits), NUDGE, -NUDGE)
+        bits = (bits + (LOW >> 1) + ((bits >> 16) & 1)) & ~LOW
     else:  # away: up by one bf16 step wherever a low bit is set; sym: half of those, by hash
         up = (bits & LOW) != 0
         if mode == "sym":
-            up &= (((bits * HASH) & 0xFFFFFFFF) >> 31) == 1
+            up &= coin(bits)
         bits = (bits & ~LOW) + up * (LOW + 1)
     out = bits & 0xFFFFFFFF
     out = torch.where(out >= 2 ** 31, out - 2 ** 32, out).to(torch.int32).view(torch.float32)

@@ -34,6 +34,9 @@ def test_each_mode_by_hand():
     assert sites.round_to_bf16(x, "rne5").float()[:3].tolist() == [1.0, -1.0, 1.0]
     sym = sites.round_to_bf16(x, "sym").float()[:2].abs().tolist()
     assert all(v in (1.0, UP) for v in sym)
+    far = torch.tensor([1 + 2 ** -10, -(1 + 2 ** -10), 1 + 7 * 2 ** -10])  # 1/8, 7/8 ulp: no tie near
+    assert sites.round_to_bf16(far, "nudge").float().tolist() == [1.0, -1.0, UP]
+    assert all(v in (1.0, UP) for v in sites.round_to_bf16(x, "nudge").float()[:2].abs().tolist())
     nan_payloads = torch.tensor([0x7F800001, 0x7FFFFFFF, -1], dtype=torch.int32).view(torch.float32)
     for mode in sites.MODES:  # a payload never carries into the exponent or the sign
         assert sites.round_to_bf16(nan_payloads, mode).isnan().all(), mode
@@ -42,18 +45,21 @@ def test_each_mode_by_hand():
 def test_each_modes_error_has_the_tables_mean_and_mean_abs():
     """On 10^6 random floats spread over magnitudes, in ulps of bf16 at each value: rne 1/4 ulp
     of |error|, every other mode 1/2; trunc shrinks sizes by 1/2 ulp on average, away grows
-    them by 1/2, rne6 and sym leave them unbiased; rne5, the size dial, 1 ulp and unbiased."""
+    them by 1/2, rne6 and sym leave them unbiased; rne5, the size dial, 1 ulp and unbiased;
+    nudge, the neutral change, 5/16 and unbiased, a quarter of the values off rne's."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(10 ** 6, generator=g) * torch.exp(2 * torch.randn(10 ** 6, generator=g))
     ulp = torch.pow(2.0, torch.floor(torch.log2(x.abs())) - 7)
     want = {"rne": (0.0, 0.25), "trunc": (-0.5, 0.5), "away": (0.5, 0.5), "rne6": (0.0, 0.5),
-            "sym": (0.0, 0.5), "rne5": (0.0, 1.0)}
+            "sym": (0.0, 0.5), "rne5": (0.0, 1.0), "nudge": (0.0, 0.3125)}
     for mode, (size, mean_abs) in want.items():
         r = sites.round_to_bf16(x, mode).float()
         assert ((r.abs() - x.abs()) / ulp).mean().item() == pytest.approx(size, abs=0.01), mode
         assert ((r - x) / ulp).abs().mean().item() == pytest.approx(mean_abs, abs=0.01), mode
     up = sites.round_to_bf16(x, "sym").float().abs() > x.abs()
     assert up.float().mean().item() == pytest.approx(0.5, abs=0.01)  # half each way
+    moved = sites.round_to_bf16(x, "nudge") != sites.round_to_bf16(x, "rne")
+    assert moved.float().mean().item() == pytest.approx(0.25, abs=0.01)
 
 
 PROBE = """import sys, torch
