@@ -34,7 +34,8 @@ def test_each_mode_by_hand():
     assert sites.round_to_bf16(x, "rne5").float()[:3].tolist() == [1.0, -1.0, 1.0]
     sym = sites.round_to_bf16(x, "sym").float()[:2].abs().tolist()
     assert all(v in (1.0, UP) for v in sym)
-    far = torch.tensor([1 + 2 ** -10, -(1 + 2 ** -10), 1 + 7 * 2 ** -10])  # 1/8, 7/8 ulp: no tie near
+    eighth = 2 ** -10  # 1/8 ulp at 1: 1/8 and 7/8 ulp lie farther than 1/4 from a tie
+    far = torch.tensor([1 + eighth, -(1 + eighth), 1 + 7 * eighth])
     assert sites.round_to_bf16(far, "nudge").float().tolist() == [1.0, -1.0, UP]
     assert all(v in (1.0, UP) for v in sites.round_to_bf16(x, "nudge").float()[:2].abs().tolist())
     nan_payloads = torch.tensor([0x7F800001, 0x7FFFFFFF, -1], dtype=torch.int32).view(torch.float32)
