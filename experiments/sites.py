@@ -12,7 +12,7 @@ cast's: the gradient cast back to float32, unchanged):
     rne6   to nearest at 6 kept mantissa bits              0                 1/2 ulp
     sym    toward zero or away, by a hash of the value     0                 1/2 ulp
     rne5   to nearest at 5 kept mantissa bits              0                 1 ulp
-    nudge  to nearest, nudged 1/4 ulp up or down by the hash   0                 5/16 ulp
+    nudge  to nearest, pushed 1/4 ulp either way by hash   0                 5/16 ulp
 
 (ulp: bf16's unit in the last place at the value; the means over uniformly spread low bits.)
 So the four after rne have the same mean |error| at the op, and only the sign's structure
@@ -65,19 +65,21 @@ def coin(bits):
     """sym's and nudge's coin: the top bit of the pattern times HASH, half of values each way."""
     return (((bits * HASH) & 0xFFFFFFFF) >> 31) == 1
 
+def to_nearest(bits, drop):
+    """A bit pattern rounded to nearest at `drop` dropped low bits, ties to even."""
+    lsb = (bits >> drop) & 1
+    return (bits + (1 << (drop - 1)) - 1 + lsb) & ~((1 << drop) - 1)
+
 def round_bits(x, mode):
     """float32 -> float32 holding a bf16 value, rounded in `mode` on the bit pattern
     (sign-magnitude: adding to the pattern grows the magnitude, either sign)."""
     bits = x.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    if mode in KEPT:  # drop 23 - kept bits to nearest, ties to even: a bf16, its last bits 0
-        drop = 23 - KEPT[mode]
-        lsb = (bits >> drop) & 1
-        bits = (bits + (1 << (drop - 1)) - 1 + lsb) & ~((1 << drop) - 1)
+    if mode in KEPT:  # drop 23 - kept bits to nearest: a bf16, its last bits 0
+        bits = to_nearest(bits, 23 - KEPT[mode])
     elif mode == "trunc":  # drop the low 16 bits
         bits = bits & ~LOW
     elif mode == "nudge":  # +-1/4 ulp, then to nearest, ties to even: still a bf16 neighbour
-        bits = bits + torch.where(coin(bits), NUDGE, -NUDGE)
-        bits = (bits + (LOW >> 1) + ((bits >> 16) & 1)) & ~LOW
+        bits = to_nearest(bits + torch.where(coin(bits), NUDGE, -NUDGE), 16)
     else:  # away: up by one bf16 step wherever a low bit is set; sym: half of those, by hash
         up = (bits & LOW) != 0
         if mode == "sym":
