@@ -5,14 +5,15 @@ float32 result rounded to bf16; the trainer (model.apply_rope, precision.TensorC
 rounds it to nearest even. Here it can round another way, the backward straight through (as a
 cast's: the gradient cast back to float32, unchanged):
 
-    mode   rounds the float32 result to bf16               mean error        mean |error|
-    rne    to nearest, ties to even (the trainer's own)    0                 1/4 ulp
-    trunc  toward zero (vLLM's _C_AVX2, _C_AVX512)          -1/2 ulp (size)   1/2 ulp
-    away   away from zero                                  +1/2 ulp (size)   1/2 ulp
-    rne6   to nearest at 6 kept mantissa bits              0                 1/2 ulp
-    sym    toward zero or away, by a hash of the value     0                 1/2 ulp
-    rne5   to nearest at 5 kept mantissa bits              0                 1 ulp
-    nudge  to nearest, pushed 1/4 ulp either way by hash   0                 5/16 ulp
+    mode     rounds the float32 result to bf16                mean error        mean |error|
+    rne      to nearest, ties to even (the trainer's own)     0                 1/4 ulp
+    trunc    toward zero (vLLM's _C_AVX2, _C_AVX512)          -1/2 ulp (size)   1/2 ulp
+    away     away from zero                                   +1/2 ulp (size)   1/2 ulp
+    rne6     to nearest at 6 kept mantissa bits               0                 1/2 ulp
+    sym      toward zero or away, by a hash of the value      0                 1/2 ulp
+    rne5     to nearest at 5 kept mantissa bits               0                 1 ulp
+    nudge    to nearest, pushed 1/4 ulp either way by hash    0                 5/16 ulp
+    nudge16  to nearest, pushed 1/16 ulp either way by hash   0                 65/256 ulp
 
 (ulp: bf16's unit in the last place at the value; the means over uniformly spread low bits.)
 So the four after rne have the same mean |error| at the op, and only the sign's structure
@@ -21,7 +22,9 @@ zero-mean at twice their error, for where one-signed errors add up to a larger t
 than zero-mean ones of the same size at the op (the 7M GPT, scale-rne5.md). nudge is the
 neutral change (symredraw.md): rne's rule, a quarter of the values a step the other way (those
 within 1/4 ulp of a tie, pushed across it by the coin), so 1.25x rne's error: the trainer's path
-drawn again at about its own error size.
+drawn again at about its own error size. A push of p ulp moves a share p of the values and adds
+p^2 ulp to the mean |error|: nudge16, its dose, moves 1/16 of them at 1.016x rne's error
+(nudgedose.md).
 
     python experiments/campaign.py --arms gspo-engine --variants bf16-site-trunc --seeds 0 1
 
@@ -44,6 +47,8 @@ weigh most:
 
     python experiments/sites.py --layers --engine --init CKPT --json F
 
+in the modes of the readings committed (LAYER_MODES), or --modes, rne and trunc among them.
+
 Page: experiments/sites.md.
 """
 import torch
@@ -58,7 +63,9 @@ from variants import SITE_MODES, SITE_ROUNDING as MODES
 LOW = 0xFFFF  # the 16 bits a bf16 drops from a float32
 KEPT = {"rne6": 6, "rne5": 5}  # the to-nearest modes' kept mantissa bits (a bf16 keeps 7)
 HASH = 0x9E3779B1  # Knuth's multiplicative hash: the coin, a function of the value alone
-NUDGE = 0x4000  # nudge's push, a quarter of the 16 dropped bits' range: 1/4 ulp
+# the push, of the 16 dropped bits' range: a quarter (1/4 ulp) and a sixteenth (1/16 ulp)
+NUDGE = {"nudge": 0x4000, "nudge16": 0x1000}
+LAYER_MODES = ("rne", *SITE_MODES, "rne5")  # --layers' modes unless --modes: its readings'
 ACTIVE = []  # the mode while the 16-bit trainer runs (SiteRounding); empty: rne everywhere
 
 def coin(bits):
@@ -78,8 +85,9 @@ def round_bits(x, mode):
         bits = to_nearest(bits, 23 - KEPT[mode])
     elif mode == "trunc":  # drop the low 16 bits
         bits = bits & ~LOW
-    elif mode == "nudge":  # +-1/4 ulp, then to nearest, ties to even: still a bf16 neighbour
-        bits = to_nearest(bits + torch.where(coin(bits), NUDGE, -NUDGE), 16)
+    elif mode in NUDGE:  # +-the push, then to nearest, ties to even: still a bf16 neighbour
+        push = NUDGE[mode]
+        bits = to_nearest(bits + torch.where(coin(bits), push, -push), 16)
     else:  # away: up by one bf16 step wherever a low bit is set; sym: half of those, by hash
         up = (bits & LOW) != 0
         if mode == "sym":
@@ -171,10 +179,10 @@ def teacher_forced(seed, n_items=12):
     return model.pack([task.prompt_ids(p) for p, _ in problems],
                       [task.answer_ids(a) for _, a in problems], "cpu")[:2]
 
-def layers(ckpt, seed=0, engine=False):
+def layers(ckpt, seed=0, engine=False, modes=LAYER_MODES):
     """Where each mode's error grows: the bf16 trainer's RMS error against float32 over RMS
-    after each block, the final norm and the logits (offline.layer_errors' measure), in every
-    mode, on seed's teacher-forced held-out sequences of a checkpoint: {"fp32": {mode: errors}}.
+    after each block, the final norm and the logits (offline.layer_errors' measure), in each of
+    modes, on seed's teacher-forced held-out sequences of a checkpoint: {"fp32": {mode: errors}}.
     It asks whether a one-signed error adds up over the blocks faster than a zero-mean one of
     its size at the op. With engine, how the trainer's error combines with the engine's: the
     engine's own (the aligned trainer: its kernels, the library loaded) against float32, and
@@ -189,7 +197,7 @@ def layers(ckpt, seed=0, engine=False):
     fp32 = activations(gpt, "fp32", idx, "cpu")
     ref = activations(gpt, "bf16-aligned", idx, "cpu") if engine else None
     out = {"fp32": {}, "engine": {}, "tokens": {}} if engine else {"fp32": {}}
-    for mode in MODES:
+    for mode in modes:
         use(None if mode == "rne" else mode)
         trainer = activations(gpt, "bf16", idx, "cpu")
         out["fp32"][mode] = relative(trainer, fp32, mask)
@@ -258,25 +266,25 @@ def print_layers(errors):
     print(f"\nthe bf16 trainer against float32, RMS error / RMS: blocks 1-{n - 2}, the final "
           "norm, the logits; each mode's over trunc's in the last block\n")
     for mode, e in errors.items():
-        print(f"{mode:6} {' '.join(f'{x:.2e}' for x in e)}  {e[-3] / errors['trunc'][-3]:.2f}x")
+        print(f"{mode:7} {' '.join(f'{x:.2e}' for x in e)}  {e[-3] / errors['trunc'][-3]:.2f}x")
 
 def print_engine(out, library):
     """d (trainer minus engine) layer by layer, and rho in the last block."""
     e_engine, d = out["engine_error"], out["engine"]
     print(f"\nthe engine's kernels ({library}) against float32:\n"
-          f"engine {' '.join(f'{x:.2e}' for x in e_engine)}\n\nd, the bf16 trainer against the "
+          f"engine  {' '.join(f'{x:.2e}' for x in e_engine)}\n\nd, the bf16 trainer against the "
           "engine's kernels, RMS / float32's RMS; in the last block its size over trunc's, and "
           "rho (the share of the errors that cancels)\n")
     for mode, x in d.items():
         rho = combined(out["fp32"][mode], e_engine, x)[-3]
-        print(f"{mode:6} {' '.join(f'{v:.2e}' for v in x)}  {x[-3] / d['trunc'][-3]:.2f}x  "
+        print(f"{mode:7} {' '.join(f'{v:.2e}' for v in x)}  {x[-3] / d['trunc'][-3]:.2f}x  "
               f"rho {rho:+.3f}")
     t, trunc = out["tokens"], out["tokens"]["trunc"]
     print(f"\nthe answer tokens' log-probs against the engine's kernels: mean |d| a token, the "
           f"share of it in the {TOP:.0%} of positions where it is largest, the runner-up margin's "
           "mean |d|; each over trunc's\n")
     for mode, r in t.items():
-        print(f"{mode:6} {r['mean_abs']:.3e} ({r['mean_abs'] / trunc['mean_abs']:.2f}x)  "
+        print(f"{mode:7} {r['mean_abs']:.3e} ({r['mean_abs'] / trunc['mean_abs']:.2f}x)  "
               f"top {r['top_share']:.2f}  margin {r['margin_abs']:.3e} "
               f"({r['margin_abs'] / trunc['margin_abs']:.2f}x)")
 
@@ -284,7 +292,7 @@ def read_layers(args, host):
     """--layers: the reading printed, and written with --json (the engine's keys with --engine)."""
     library = rounding.load(args.library) if args.engine else None  # before any engine op
     ckpt = args.init or default_warm_start(args.seed)
-    out = layers(ckpt, args.seed, args.engine)
+    out = layers(ckpt, args.seed, args.engine, args.modes)
     print_layers(out["fp32"])
     if args.engine:
         print_engine(out, library)
@@ -307,12 +315,16 @@ def main(argv=None):
                    help="--layers: also against the engine's kernels (the aligned trainer)")
     p.add_argument("--library", choices=list(rounding.LIBRARIES), default=None,
                    help="--engine: force this vLLM kernel library (rounding.py)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=LAYER_MODES,
+                   help="--layers: these modes, rne and trunc among them")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the times (errors) here")
     args = p.parse_args(argv)
     common.writable(args.json)
     if (args.engine or args.library) and not args.layers:
         common.refuse("--engine and --library go with --layers")
+    if not {"rne", "trunc"} <= set(args.modes):
+        common.refuse("--modes: rne and trunc among them (each mode is read against trunc)")
     if args.library and not args.engine:
         common.refuse("--library: the engine's kernels are read only with --engine")
     rounding.refuse_unrunnable(args.library)

@@ -162,7 +162,7 @@ LIBRARY_SWAPS = [add_swap(_before, _after, _short, _step, _suffix)
 # zero-mean error of truncation's size make GSPO fall? On a chip whose engine truncates: the
 # trainer truncating like it (the cheap fix), and a zero-mean error of that size.
 SITE_MODES = ("trunc", "away", "rne6", "sym")  # plan sites' four, one mean |error| at the op
-SITE_ROUNDING = ("rne", *SITE_MODES, "rne5", "nudge")  # sites.py's modes; rne the trainer's
+SITE_ROUNDING = ("rne", *SITE_MODES, "rne5", "nudge", "nudge16")  # sites.py's; rne the trainer's
 SITE_COLORS = {"trunc": "chocolate", "away": "darkmagenta", "rne6": "mediumseagreen",
                "sym": "steelblue"}  # apart from bf16's red, which they are read against
 for _mode in SITE_MODES:
@@ -187,6 +187,10 @@ for _mode, _color in (("trunc", "teal"), ("rne6", "navy"), ("sym", "cadetblue"),
                       ("nudge", "darkkhaki")):
     add(Variant(f"bf16-trunc-site-{_mode}", BF16, library=TRUNCATING, site_rounding=_mode,
                 needs=("avx512_bf16",), color=_color))
+# nudge's dose (nudgedose.md): a sixteenth of the values a step the other way, 1.016x rne's
+# error. nudge lifted GSPO on the AMX Xeon, not on the AMD EPYC: does a smaller break lift too?
+add(Variant("bf16-trunc-site-nudge16", BF16, library=TRUNCATING, site_rounding="nudge16",
+            needs=("avx512_bf16",), color="goldenrod"))
 # The CPU trainer's embedding backward summed in float32, as a GPU sums it (embed32.md): the
 # bf16 emulation's backward sums a token's rows in bf16, where most of its gradient's error
 # lies. Against the truncating library forced, does GSPO still fall? Against the chip's own?

@@ -38,6 +38,8 @@ def test_each_mode_by_hand():
     far = torch.tensor([1 + eighth, -(1 + eighth), 1 + 7 * eighth])
     assert sites.round_to_bf16(far, "nudge").float().tolist() == [1.0, -1.0, UP]
     assert all(v in (1.0, UP) for v in sites.round_to_bf16(x, "nudge").float()[:2].abs().tolist())
+    near = torch.tensor([1 + 3 * eighth, 1 + 5 * eighth])  # 3/8, 5/8 ulp: within 1/4 of the tie
+    assert sites.round_to_bf16(near, "nudge16").float().tolist() == [1.0, UP]  # 1/16 is too short
     nan_payloads = torch.tensor([0x7F800001, 0x7FFFFFFF, -1], dtype=torch.int32).view(torch.float32)
     for mode in sites.MODES:  # a payload never carries into the exponent or the sign
         assert sites.round_to_bf16(nan_payloads, mode).isnan().all(), mode
@@ -47,20 +49,26 @@ def test_each_modes_error_has_the_tables_mean_and_mean_abs():
     """On 10^6 random floats spread over magnitudes, in ulps of bf16 at each value: rne 1/4 ulp
     of |error|, every other mode 1/2; trunc shrinks sizes by 1/2 ulp on average, away grows
     them by 1/2, rne6 and sym leave them unbiased; rne5, the size dial, 1 ulp and unbiased;
-    nudge, the neutral change, 5/16 and unbiased, a quarter of the values off rne's."""
+    nudge, the neutral change, 5/16 and unbiased, a quarter of the values off rne's; nudge16, its
+    dose, 65/256 (65/64 of rne's), a sixteenth off rne's."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(10 ** 6, generator=g) * torch.exp(2 * torch.randn(10 ** 6, generator=g))
     ulp = torch.pow(2.0, torch.floor(torch.log2(x.abs())) - 7)
     want = {"rne": (0.0, 0.25), "trunc": (-0.5, 0.5), "away": (0.5, 0.5), "rne6": (0.0, 0.5),
-            "sym": (0.0, 0.5), "rne5": (0.0, 1.0), "nudge": (0.0, 0.3125)}
+            "sym": (0.0, 0.5), "rne5": (0.0, 1.0), "nudge": (0.0, 0.3125),
+            "nudge16": (0.0, 65 / 256)}
     for mode, (size, mean_abs) in want.items():
         r = sites.round_to_bf16(x, mode).float()
         assert ((r.abs() - x.abs()) / ulp).mean().item() == pytest.approx(size, abs=0.01), mode
         assert ((r - x) / ulp).abs().mean().item() == pytest.approx(mean_abs, abs=0.01), mode
     up = sites.round_to_bf16(x, "sym").float().abs() > x.abs()
     assert up.float().mean().item() == pytest.approx(0.5, abs=0.01)  # half each way
-    moved = sites.round_to_bf16(x, "nudge") != sites.round_to_bf16(x, "rne")
-    assert moved.float().mean().item() == pytest.approx(0.25, abs=0.01)
+    rne = sites.round_to_bf16(x, "rne")
+    for mode, share in (("nudge", 1 / 4), ("nudge16", 1 / 16)):
+        moved = sites.round_to_bf16(x, mode) != rne
+        assert moved.float().mean().item() == pytest.approx(share, abs=0.002), mode
+    error = {m: (sites.round_to_bf16(x, m).float() - x).abs().div(ulp).mean() for m in ("rne", "nudge16")}
+    assert (error["nudge16"] / error["rne"]).item() == pytest.approx(65 / 64, abs=0.004)
 
 
 PROBE = """import sys, torch
@@ -149,7 +157,7 @@ def test_layers_reads_every_mode_block_by_block_and_leaves_the_trainer_as_it_was
     it truncates), and the answer tokens' mismatch is read for every mode."""
     import rounding
     from offline import layer_errors
-    out = sites.layers(random_ckpt, engine=True)
+    out = sites.layers(random_ckpt, engine=True, modes=sites.MODES)
     errors, d = out["fp32"], out["engine"]
     gpt = model.load_hf(random_ckpt, "cpu")
     assert list(errors) == list(sites.MODES) and all(len(e) == gpt.cfg.n_layer + 2 for e in errors.values())
@@ -161,3 +169,16 @@ def test_layers_reads_every_mode_block_by_block_and_leaves_the_trainer_as_it_was
     assert list(out["tokens"]) == list(sites.MODES)
     assert all(0 < t["mean_abs"] and 0 < t["top_share"] <= 1 for t in out["tokens"].values())
     assert precision.TensorCoreMatmuls is sites.ORIGINAL["trainer"] and model.apply_rope is sites.ORIGINAL["rope"]
+
+
+def test_layers_default_modes_are_the_committed_readings_and_modes_needs_rne_and_trunc():
+    """--layers' default modes write the keys of every committed layers reading (so its command
+    rewrites it); --modes without trunc is refused in one line, exit 2, before any work."""
+    import glob
+    import json
+    for path in glob.glob(os.path.join(ROOT, "results", "*", "*", "layers*.json")):
+        with open(path) as f:
+            assert tuple(json.load(f)["layers"]) == sites.LAYER_MODES, path
+    out = subprocess.run([sys.executable, "experiments/sites.py", "--layers", "--modes", "rne", "sym"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
