@@ -182,15 +182,12 @@ add(Variant("bf16-site-rne5", BF16, site_rounding="rne5", lacks=("amx_tile",),
 # The same against this chip's truncating library forced (bf16-trunc, whose seeds are their
 # control), on a chip whose own library rounds: the cheap fix where its engine rounds. sym is
 # rne6's redraw (symredraw.md): zero-mean, the same mean |error| at the op, another rule; nudge
-# the neutral change, rne's rule with a quarter of the values a step the other way.
+# the neutral change, rne's rule with a quarter of the values a step the other way; nudge16 its
+# dose (nudgedose.md), a sixteenth of them, 1.016x rne's error: does a smaller break lift too?
 for _mode, _color in (("trunc", "teal"), ("rne6", "navy"), ("sym", "cadetblue"),
-                      ("nudge", "darkkhaki")):
+                      ("nudge", "darkkhaki"), ("nudge16", "goldenrod")):
     add(Variant(f"bf16-trunc-site-{_mode}", BF16, library=TRUNCATING, site_rounding=_mode,
                 needs=("avx512_bf16",), color=_color))
-# nudge's dose (nudgedose.md): a sixteenth of the values a step the other way, 1.016x rne's
-# error. nudge lifted GSPO on the AMX Xeon, not on the AMD EPYC: does a smaller break lift too?
-add(Variant("bf16-trunc-site-nudge16", BF16, library=TRUNCATING, site_rounding="nudge16",
-            needs=("avx512_bf16",), color="goldenrod"))
 # The CPU trainer's embedding backward summed in float32, as a GPU sums it (embed32.md): the
 # bf16 emulation's backward sums a token's rows in bf16, where most of its gradient's error
 # lies. Against the truncating library forced, does GSPO still fall? Against the chip's own?

@@ -67,7 +67,8 @@ def test_each_modes_error_has_the_tables_mean_and_mean_abs():
     for mode, share in (("nudge", 1 / 4), ("nudge16", 1 / 16)):
         moved = sites.round_to_bf16(x, mode) != rne
         assert moved.float().mean().item() == pytest.approx(share, abs=0.002), mode
-    error = {m: (sites.round_to_bf16(x, m).float() - x).abs().div(ulp).mean() for m in ("rne", "nudge16")}
+    error = {m: (sites.round_to_bf16(x, m).float() - x).abs().div(ulp).mean()
+             for m in ("rne", "nudge16")}
     assert (error["nudge16"] / error["rne"]).item() == pytest.approx(65 / 64, abs=0.004)
 
 
@@ -179,6 +180,6 @@ def test_layers_default_modes_are_the_committed_readings_and_modes_needs_rne_and
     for path in glob.glob(os.path.join(ROOT, "results", "*", "*", "layers*.json")):
         with open(path) as f:
             assert tuple(json.load(f)["layers"]) == sites.LAYER_MODES, path
-    out = subprocess.run([sys.executable, "experiments/sites.py", "--layers", "--modes", "rne", "sym"],
-                         capture_output=True, text=True, cwd=ROOT)
+    refused = [sys.executable, "experiments/sites.py", "--layers", "--modes", "rne", "sym"]
+    out = subprocess.run(refused, capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
