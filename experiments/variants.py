@@ -162,7 +162,7 @@ LIBRARY_SWAPS = [add_swap(_before, _after, _short, _step, _suffix)
 # zero-mean error of truncation's size make GSPO fall? On a chip whose engine truncates: the
 # trainer truncating like it (the cheap fix), and a zero-mean error of that size.
 SITE_MODES = ("trunc", "away", "rne6", "sym")  # plan sites' four, one mean |error| at the op
-SITE_ROUNDING = ("rne", *SITE_MODES, "rne5", "nudge", "nudge16")  # sites.py's; rne the trainer's
+SITE_ROUNDING = ("rne", *SITE_MODES, "rne5", "nudge", "nudge8", "nudge16")  # sites.py's
 SITE_COLORS = {"trunc": "chocolate", "away": "darkmagenta", "rne6": "mediumseagreen",
                "sym": "steelblue"}  # apart from bf16's red, which they are read against
 for _mode in SITE_MODES:
@@ -182,10 +182,10 @@ add(Variant("bf16-site-rne5", BF16, site_rounding="rne5", lacks=("amx_tile",),
 # The same against this chip's truncating library forced (bf16-trunc, whose seeds are their
 # control), on a chip whose own library rounds: the cheap fix where its engine rounds. sym is
 # rne6's redraw (symredraw.md): zero-mean, the same mean |error| at the op, another rule; nudge
-# the neutral change, rne's rule with a quarter of the values a step the other way; nudge16 its
-# dose (nudgedose.md), a sixteenth of them, 1.016x rne's error: does a smaller break lift too?
+# the neutral change, rne's rule with a quarter of the values a step the other way; nudge8 and
+# nudge16 its doses (nudgedose.md), an eighth and a sixteenth of them: where does the lift start?
 for _mode, _color in (("trunc", "teal"), ("rne6", "navy"), ("sym", "cadetblue"),
-                      ("nudge", "darkkhaki"), ("nudge16", "goldenrod")):
+                      ("nudge", "darkkhaki"), ("nudge8", "darkorange"), ("nudge16", "goldenrod")):
     add(Variant(f"bf16-trunc-site-{_mode}", BF16, library=TRUNCATING, site_rounding=_mode,
                 needs=("avx512_bf16",), color=_color))
 # The CPU trainer's embedding backward summed in float32, as a GPU sums it (embed32.md): the
