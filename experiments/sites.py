@@ -5,16 +5,17 @@ float32 result rounded to bf16; the trainer (model.apply_rope, precision.TensorC
 rounds it to nearest even. Here it can round another way, the backward straight through (as a
 cast's: the gradient cast back to float32, unchanged):
 
-    mode     rounds the float32 result to bf16                mean error        mean |error|
-    rne      to nearest, ties to even (the trainer's own)     0                 1/4 ulp
-    trunc    toward zero (vLLM's _C_AVX2, _C_AVX512)          -1/2 ulp (size)   1/2 ulp
-    away     away from zero                                   +1/2 ulp (size)   1/2 ulp
-    rne6     to nearest at 6 kept mantissa bits               0                 1/2 ulp
-    sym      toward zero or away, by a hash of the value      0                 1/2 ulp
-    rne5     to nearest at 5 kept mantissa bits               0                 1 ulp
-    nudge    to nearest, pushed 1/4 ulp either way by hash    0                 5/16 ulp
-    nudge8   to nearest, pushed 1/8 ulp either way by hash    0                 17/64 ulp
-    nudge16  to nearest, pushed 1/16 ulp either way by hash   0                 65/256 ulp
+    mode        rounds the float32 result to bf16                mean error        mean |error|
+    rne         to nearest, ties to even (the trainer's own)     0                 1/4 ulp
+    trunc       toward zero (vLLM's _C_AVX2, _C_AVX512)          -1/2 ulp (size)   1/2 ulp
+    away        away from zero                                   +1/2 ulp (size)   1/2 ulp
+    rne6        to nearest at 6 kept mantissa bits               0                 1/2 ulp
+    sym         toward zero or away, by a hash of the value      0                 1/2 ulp
+    rne5        to nearest at 5 kept mantissa bits               0                 1 ulp
+    nudge       to nearest, pushed 1/4 ulp either way by hash    0                 5/16 ulp
+    nudge8      to nearest, pushed 1/8 ulp either way by hash    0                 17/64 ulp
+    nudge16     to nearest, pushed 1/16 ulp either way by hash   0                 65/256 ulp
+    nudge3of16  to nearest, pushed 3/16 ulp either way by hash   0                 73/256 ulp
 
 (ulp: bf16's unit in the last place at the value; the means over uniformly spread low bits.)
 So the four after rne have the same mean |error| at the op, and only the sign's structure
@@ -25,7 +26,7 @@ neutral change (symredraw.md): rne's rule, a quarter of the values a step the ot
 within 1/4 ulp of a tie, pushed across it by the coin), so 1.25x rne's error: the trainer's path
 drawn again at about its own error size. A push of p ulp moves a share p of the values and adds
 p^2 ulp to the mean |error|: its doses, nudge8 and nudge16, move 1/8 and 1/16 of them at 1.06x
-and 1.016x rne's error (nudgedose.md).
+and 1.016x rne's error (nudgedose.md), nudge3of16 3/16 of them at 1.14x (nudgedose316.md).
 
     python experiments/campaign.py --arms gspo-engine --variants bf16-site-trunc --seeds 0 1
 
@@ -64,8 +65,8 @@ from variants import SITE_MODES, SITE_ROUNDING as MODES
 LOW = 0xFFFF  # the 16 bits a bf16 drops from a float32
 KEPT = {"rne6": 6, "rne5": 5}  # the to-nearest modes' kept mantissa bits (a bf16 keeps 7)
 HASH = 0x9E3779B1  # Knuth's multiplicative hash: the coin, a function of the value alone
-# the push, of the 16 dropped bits' range: a quarter, an eighth and a sixteenth of an ulp
-NUDGE = {"nudge": 0x4000, "nudge8": 0x2000, "nudge16": 0x1000}
+# the push, of the 16 dropped bits' range: a quarter, an eighth, a sixteenth, 3/16 of an ulp
+NUDGE = {"nudge": 0x4000, "nudge8": 0x2000, "nudge16": 0x1000, "nudge3of16": 0x3000}
 LAYER_MODES = ("rne", *SITE_MODES, "rne5")  # --layers' modes unless --modes: its readings'
 ACTIVE = []  # the mode while the 16-bit trainer runs (SiteRounding); empty: rne everywhere
 

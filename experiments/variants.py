@@ -162,7 +162,8 @@ LIBRARY_SWAPS = [add_swap(_before, _after, _short, _step, _suffix)
 # zero-mean error of truncation's size make GSPO fall? On a chip whose engine truncates: the
 # trainer truncating like it (the cheap fix), and a zero-mean error of that size.
 SITE_MODES = ("trunc", "away", "rne6", "sym")  # plan sites' four, one mean |error| at the op
-SITE_ROUNDING = ("rne", *SITE_MODES, "rne5", "nudge", "nudge8", "nudge16")  # sites.py's
+SITE_ROUNDING = ("rne", *SITE_MODES, "rne5", "nudge", "nudge8", "nudge16",
+                 "nudge3of16")  # sites.py's
 SITE_COLORS = {"trunc": "chocolate", "away": "darkmagenta", "rne6": "mediumseagreen",
                "sym": "steelblue"}  # apart from bf16's red, which they are read against
 for _mode in SITE_MODES:
@@ -184,8 +185,10 @@ add(Variant("bf16-site-rne5", BF16, site_rounding="rne5", lacks=("amx_tile",),
 # rne6's redraw (symredraw.md): zero-mean, the same mean |error| at the op, another rule; nudge
 # the neutral change, rne's rule with a quarter of the values a step the other way; nudge8 and
 # nudge16 its doses (nudgedose.md), an eighth and a sixteenth of them: where does the lift start?
+# nudge3of16, 3/16 of them (nudgedose316.md): between an eighth and a quarter, a grade or a step?
 for _mode, _color in (("trunc", "teal"), ("rne6", "navy"), ("sym", "cadetblue"),
-                      ("nudge", "darkkhaki"), ("nudge8", "darkorange"), ("nudge16", "goldenrod")):
+                      ("nudge", "darkkhaki"), ("nudge8", "darkorange"), ("nudge16", "goldenrod"),
+                      ("nudge3of16", "peru")):
     add(Variant(f"bf16-trunc-site-{_mode}", BF16, library=TRUNCATING, site_rounding=_mode,
                 needs=("avx512_bf16",), color=_color))
 # The CPU trainer's embedding backward summed in float32, as a GPU sums it (embed32.md): the
