@@ -95,8 +95,9 @@ for _plan, _step in (("swap", SWAP_STEP), ("swap-late", LATE_SWAP)):
 # own library rounds, the same two against its truncating library forced (bf16-trunc's control),
 # and sym, rne6's redraw, nudge, the neutral change (symredraw.md), and nudge8, nudge16 and
 # nudge3of16, its doses (nudgedose.md, nudgedose316.md); without AMX the four modes against its
-# own library (bf16's control).
+# own library (bf16's control). nudge against the rounding engine too (AMX hidden: its cost).
 PLANS["sites"] = [("gspo-engine", ["bf16-noamx", *(f"bf16-noamx-site-{m}" for m in SITE_MODES),
+                                   "bf16-noamx-site-nudge",
                                    "bf16", "bf16-aligned", *(f"bf16-site-{m}" for m in SITE_MODES),
                                    "bf16-trunc", "bf16-trunc-site-trunc",
                                    "bf16-trunc-site-rne6", "bf16-trunc-site-sym",

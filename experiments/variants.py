@@ -169,6 +169,10 @@ SITE_COLORS = {"trunc": "chocolate", "away": "darkmagenta", "rne6": "mediumseagr
 for _mode in SITE_MODES:
     add(Variant(f"bf16-noamx-site-{_mode}", BF16, hide_amx=True, site_rounding=_mode,
                 needs=("amx_tile",), color=SITE_COLORS[_mode]))
+# nudge, the neutral change (symredraw.md), against the rounding engine: does it cost anything
+# where the engine's difference from the trainer is not a fixed function of the dropped bits?
+add(Variant("bf16-noamx-site-nudge", BF16, hide_amx=True, site_rounding="nudge",
+            needs=("amx_tile",), color="darkgoldenrod"))
 # On a chip without AMX, on its own library: where it truncates (AVX2 only), the trainer
 # truncating like its engine (the cheap fix) and a zero-mean error of that size; where it rounds
 # (AVX-512-BF16), the rounding-engine ablation again, on another chip, without AMX to hide.

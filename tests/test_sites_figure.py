@@ -183,6 +183,7 @@ def test_each_variants_control_is_its_record_with_the_trainer_as_it_is():
     embedding's backward torch's, its attention the emulation's (plans embed32's and gpulike's
     beside plan sites')."""
     pairs = {"bf16-site-trunc": "bf16", "bf16-noamx-site-away": "bf16-noamx",
+             "bf16-noamx-site-nudge": "bf16-noamx",
              "bf16-trunc-site-rne6": "bf16-trunc", "bf16-embed32": "bf16",
              "bf16-trunc-embed32": "bf16-trunc", "bf16-gpulike": "bf16",
              "bf16-trunc-gpulike": "bf16-trunc", "bf16-trunc-fused": "bf16-trunc",
