@@ -107,9 +107,11 @@ PLANS["sites"] = [("gspo-engine", ["bf16-noamx", *(f"bf16-noamx-site-{m}" for m 
 # Then grpo for the variants that fell in gspo-engine (sites.md), five seeds, with their control;
 # without AMX, the two that fell against the chip's own library, bf16 their control (where that
 # library truncates, bf16-site-trunc is the cheap fix: it runs in grpo if it fell; sites-xeon.md).
+# Against the truncating library forced, sym and nudge16 fell at sixteen seeds (symredraw-grpo.md).
 PLANS["sites-grpo"] = [("grpo", ["bf16-noamx", "bf16-noamx-site-trunc", "bf16-noamx-site-away",
                                 "bf16-trunc", "bf16-trunc-site-rne6", "bf16", "bf16-site-trunc",
-                                "bf16-site-away"])]
+                                "bf16-site-away", "bf16-trunc-site-sym",
+                                "bf16-trunc-site-nudge16"])]
 # The trainer's side swapped in bf16-trunc's dip (sites-swap.md): from the same stops as plan
 # swap's (--plan swap-stops --stop-after 10), the trainer truncating like its engine or at rne6.
 PLANS["sites-swap"] = [("gspo-engine", SITE_SWAPS)]
