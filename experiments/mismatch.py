@@ -22,7 +22,7 @@ import torch
 
 from common import finish, machine_line
 from instruments import machine
-from offline import (DTYPES, base_parser, heldout_prompts, layer_errors,
+from offline import (ALIGNED, DTYPES, base_parser, heldout_prompts, layer_errors,
                      mismatch_metrics, parse, prefill, sample, setup, trainer_logprobs)
 
 ENGINES = ("fp32", "bf16", "fp16", "bf16+head32", "fp16+head32")
@@ -34,7 +34,7 @@ def trainers_of(eng, quick=False):
     """A dtype's engine: the plain trainers and its aligned one; a fix's: its trainer, fp32."""
     if eng not in DTYPES:
         return (eng, "fp32")
-    aligned = () if eng == "fp32" else (f"{eng}-aligned",)  # fp32 has none
+    aligned = (ALIGNED[eng],) if eng in ALIGNED else ()  # fp32 has none
     return (eng, *aligned) if quick else (*DTYPES, *aligned)
 
 def paired_ratio(d_a, d_b, mask, seed=0):

@@ -4,9 +4,11 @@ warm start, or --init DIR, e.g. a finished run's hf/), the real engine in each w
 computing, the trainer beside it. mismatch.py, scaler.py, audit.py, heldout.py and
 trainer_half.py each run one experiment on top of it.
 
-A way of computing (a "mode") is a dtype, "+head32" for the fp32 LM head (--lm-head fp32), or
-"-aligned" for the trainer on the engine's kernels (--trainer-kernels engine). Every result
-records the machine: the 16-bit numbers are the chip's.
+A way of computing (a "mode") is one record of MODES: a dtype, the LM head's dtype
+(--lm-head) and the trainer's kernels (--trainer-kernels). Its name says the same, a dtype,
+"+head32" for the fp32 LM head, "-aligned" for the trainer on the engine's kernels, but no code
+reads the name: add a mode with one line there. Every result records the machine: the 16-bit
+numbers are the chip's.
 """
 import argparse
 import time
@@ -26,14 +28,21 @@ from rollout import generate, start_engine, sync_weights
 from warm_start import model_config, warm_start
 
 DTYPES = ("fp32", "bf16", "fp16")
+MODES = {  # mode: (dtype, LM head, trainer kernels), get_precision's arguments
+    **{dtype: (dtype, "same", "torch") for dtype in DTYPES},
+    "bf16+head32": ("bf16", "fp32", "torch"),  # the fix that keeps the LM head in float32
+    "fp16+head32": ("fp16", "fp32", "torch"),
+    "bf16-aligned": ("bf16", "same", "engine"),  # the trainer on the engine's kernels
+    "fp16-aligned": ("fp16", "same", "engine"),
+}
+ALIGNED = {"bf16": "bf16-aligned", "fp16": "fp16-aligned"}  # a dtype's trainer on its engine's
 
 def mismatch_metrics(mu_logp, pi_logp, mask):
     """The run's mismatch metrics and, per bucket of pi, the share of tokens and their mismatch."""
     return {**basic_metrics(mu_logp, pi_logp, mask), **pi_buckets(mu_logp, pi_logp, mask)}
 
 def precision_of(mode, device):
-    dtype, head = mode.split("+")[0].split("-")[0], "fp32" if "+head32" in mode else "same"
-    kernels = "engine" if mode.endswith("aligned") else "torch"
+    dtype, head, kernels = MODES[mode]
     return get_precision(dtype, lm_head=head, device=device, kernels=kernels)
 
 def trainer_logprobs(model, mode, idx, device):

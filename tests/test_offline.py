@@ -18,3 +18,19 @@ def test_experiments_refuse_bad_input_in_one_line(module, argv, flag, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and flag in err, err
+
+
+def test_every_mode_named_is_one_record_and_agrees_with_its_variant():
+    """The modes the offline experiments name are records of offline.MODES, and each fix's
+    (engine, trainer) pair computes as its RL variant's flags say (variants.formats)."""
+    import fixes
+    import growth
+    from offline import MODES
+    from variants import VARIANTS, formats
+    trainers = (mismatch.trainers_of(e, quick) for e in mismatch.ENGINES for quick in (0, 1))
+    named = {*mismatch.ENGINES, *growth.LAYER_MODES, *(m for t in trainers for m in t)}
+    assert named <= set(MODES), named - set(MODES)
+    for variant, (engine, trainer), _ in fixes.FIXES:
+        dtype, engine_dtype, lm_head, kernels = formats(VARIANTS[variant].flags)
+        assert MODES[trainer] == (dtype, lm_head, kernels), variant
+        assert MODES[engine][0] == engine_dtype, variant
