@@ -60,13 +60,13 @@ import common  # first: it puts the core (model.py, precision.py) on the path
 import model
 import precision
 import rounding
-from variants import SITE_MODES, SITE_ROUNDING as MODES
+from variants import NUDGE_PUSH, SITE_MODES, SITE_ROUNDING as MODES
 
 LOW = 0xFFFF  # the 16 bits a bf16 drops from a float32
 KEPT = {"rne6": 6, "rne5": 5}  # the to-nearest modes' kept mantissa bits (a bf16 keeps 7)
 HASH = 0x9E3779B1  # Knuth's multiplicative hash: the coin, a function of the value alone
-# the push, of the 16 dropped bits' range: a quarter, an eighth, a sixteenth, 3/16 of an ulp
-NUDGE = {"nudge": 0x4000, "nudge8": 0x2000, "nudge16": 0x1000, "nudge3of16": 0x3000}
+# the push in the 16 dropped bits, whose range is one ulp (a quarter: 0x4000), exact for these
+NUDGE = {mode: int(push * (LOW + 1)) for mode, push in NUDGE_PUSH.items()}
 LAYER_MODES = ("rne", *SITE_MODES, "rne5")  # --layers' modes unless --modes: its readings'
 ACTIVE = []  # the mode while the 16-bit trainer runs (SiteRounding); empty: rne everywhere
 

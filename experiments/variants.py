@@ -162,8 +162,9 @@ LIBRARY_SWAPS = [add_swap(_before, _after, _short, _step, _suffix)
 # zero-mean error of truncation's size make GSPO fall? On a chip whose engine truncates: the
 # trainer truncating like it (the cheap fix), and a zero-mean error of that size.
 SITE_MODES = ("trunc", "away", "rne6", "sym")  # plan sites' four, one mean |error| at the op
-SITE_ROUNDING = ("rne", *SITE_MODES, "rne5", "nudge", "nudge8", "nudge16",
-                 "nudge3of16")  # sites.py's
+# nudge's pushes, in ulp: rne's rule with the value pushed that far either way first (sites.py)
+NUDGE_PUSH = {"nudge": 1 / 4, "nudge8": 1 / 8, "nudge16": 1 / 16, "nudge3of16": 3 / 16}
+SITE_ROUNDING = ("rne", *SITE_MODES, "rne5", *NUDGE_PUSH)  # sites.py's
 SITE_COLORS = {"trunc": "chocolate", "away": "darkmagenta", "rne6": "mediumseagreen",
                "sym": "steelblue"}  # apart from bf16's red, which they are read against
 for _mode in SITE_MODES:
