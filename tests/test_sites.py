@@ -79,6 +79,22 @@ def test_each_modes_error_has_the_tables_mean_and_mean_abs():
         assert (error[mode] / error["rne"]).item() == pytest.approx(ratio, abs=0.004), mode
 
 
+
+def test_sym_is_nudges_rule_at_a_push_of_half_an_ulp_off_exact_values(monkeypatch):
+    """nudge's rule with a push of 1/2 ulp sends every value the coin's way, as sym does: the
+    two agree on every random float not already a bf16 (nudgedose316.md reads sym as that
+    dose); on values already a bf16, ties for the push, nudge moves those with an odd last bit."""
+    monkeypatch.setitem(sites.NUDGE, "half", 0x8000)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(10 ** 6, generator=g) * torch.exp(2 * torch.randn(10 ** 6, generator=g))
+    x = x[x.to(torch.bfloat16).float() != x]
+    assert torch.equal(sites.round_bits(x, "half"), sites.round_bits(x, "sym"))
+    exact = x.to(torch.bfloat16).float()
+    assert torch.equal(sites.round_bits(exact, "sym"), exact)
+    odd = (exact.view(torch.int32) >> 16) & 1 == 1
+    moved = sites.round_bits(exact, "half") != exact
+    assert torch.equal(moved, odd)
+
 PROBE = """import sys, torch
 sys.path[:0] = [{root!r}, {exp!r}]
 import rounding, sites
