@@ -17,6 +17,11 @@ cast's: the gradient cast back to float32, unchanged):
     nudge16     to nearest, pushed 1/16 ulp either way by hash   0                 65/256 ulp
     nudge3of16  to nearest, pushed 3/16 ulp either way by hash   0                 73/256 ulp
 
+and one mode that leaves the two sites at rne and rounds elsewhere, where the engine's linears
+round to nearest too (AT_MATMULS): nudge-matmuls, nudge's rule at the output of every matmul
+of the 16-bit trainer but the attention's (the blocks' linears and the LM head); its page is
+matmulnudge.md.
+
 (ulp: bf16's unit in the last place at the value; the means over uniformly spread low bits.)
 So the four after rne have the same mean |error| at the op, and only the sign's structure
 differs: trunc and away one-signed in size, rne6 and sym zero-mean. rne5 is a size dial:
@@ -60,7 +65,7 @@ import common  # first: it puts the core (model.py, precision.py) on the path
 import model
 import precision
 import rounding
-from variants import NUDGE_PUSH, SITE_MODES, SITE_ROUNDING as MODES
+from variants import AT_MATMULS, NUDGE_PUSH, SITE_MODES, SITE_ROUNDING as MODES
 
 LOW = 0xFFFF  # the 16 bits a bf16 drops from a float32
 KEPT = {"rne6": 6, "rne5": 5}  # the to-nearest modes' kept mantissa bits (a bf16 keeps 7)
@@ -120,7 +125,7 @@ class RoundAt(torch.autograd.Function):
 
 def site(x32, dtype):
     """A site's float32 result in the trainer's dtype: the active mode's rounding in bf16."""
-    if ACTIVE and dtype == torch.bfloat16:
+    if ACTIVE and ACTIVE[-1] not in AT_MATMULS and dtype == torch.bfloat16:
         return RoundAt.apply(x32, ACTIVE[-1])
     return x32.to(dtype)
 
@@ -145,7 +150,9 @@ class SiteRounding(precision.TensorCoreMatmuls):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         sdpa = func is torch.nn.functional.scaled_dot_product_attention
-        if not (sdpa and self.strict) or all(t.dtype == torch.float32 for t in tensors):
+        at_matmul = func in precision.MATMULS and self.mode in AT_MATMULS
+        rounded = sdpa or (at_matmul and self.dtype == torch.bfloat16)
+        if not (rounded and self.strict) or all(t.dtype == torch.float32 for t in tensors):
             return super().__torch_function__(func, types, args, kwargs)
 
         def to_f32(t):  # the parent's: inputs rounded to the dtype, computed in float32
@@ -153,7 +160,9 @@ class SiteRounding(precision.TensorCoreMatmuls):
             return t.to(self.dtype).float() if is_float else t
 
         args, kwargs = tree_map(to_f32, (args, kwargs or {}))
-        return site(func(*args, **kwargs), self.dtype)
+        if sdpa:  # the attention's output, a site: the mode's rounding there (rne elsewhere)
+            return site(func(*args, **kwargs), self.dtype)
+        return RoundAt.apply(func(*args, **kwargs), AT_MATMULS[self.mode])
 
 def install(mode):
     """The trainer's rounding at the two sites, for this process (one mode a process)."""

@@ -164,7 +164,10 @@ LIBRARY_SWAPS = [add_swap(_before, _after, _short, _step, _suffix)
 SITE_MODES = ("trunc", "away", "rne6", "sym")  # plan sites' four, one mean |error| at the op
 # nudge's pushes, in ulp: rne's rule with the value pushed that far either way first (sites.py)
 NUDGE_PUSH = {"nudge": 1 / 4, "nudge8": 1 / 8, "nudge16": 1 / 16, "nudge3of16": 3 / 16}
-SITE_ROUNDING = ("rne", *SITE_MODES, "rne5", *NUDGE_PUSH)  # sites.py's
+# Modes that leave the two sites at rne and round the trainer's matmul outputs by a rule instead,
+# where the engine rounds to nearest too (linears, the head): mode -> the rule (matmulnudge.md)
+AT_MATMULS = {"nudge-matmuls": "nudge"}
+SITE_ROUNDING = ("rne", *SITE_MODES, "rne5", *NUDGE_PUSH, *AT_MATMULS)  # sites.py's
 SITE_COLORS = {"trunc": "chocolate", "away": "darkmagenta", "rne6": "mediumseagreen",
                "sym": "steelblue"}  # apart from bf16's red, which they are read against
 for _mode in SITE_MODES:
@@ -196,6 +199,10 @@ for _mode, _color in (("trunc", "teal"), ("rne6", "navy"), ("sym", "cadetblue"),
                       ("nudge3of16", "peru")):
     add(Variant(f"bf16-trunc-site-{_mode}", BF16, library=TRUNCATING, site_rounding=_mode,
                 needs=("avx512_bf16",), color=_color))
+# nudge's rule at the trainer's matmul outputs, the two sites left at rne (matmulnudge.md): does
+# changing the forward where the engine rounds to nearest lift as nudge at the two sites did?
+add(Variant("bf16-trunc-matmul-nudge", BF16, library=TRUNCATING, site_rounding="nudge-matmuls",
+            needs=("avx512_bf16",), color="slategray"))
 # The CPU trainer's embedding backward summed in float32, as a GPU sums it (embed32.md): the
 # bf16 emulation's backward sums a token's rows in bf16, where most of its gradient's error
 # lies. Against the truncating library forced, does GSPO still fall? Against the chip's own?

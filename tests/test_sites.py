@@ -15,6 +15,7 @@ import sites
 from conftest import ROOT
 from instruments import machine
 
+ORIGINAL_ROPE = model.apply_rope  # the plain trainer's, before any test installs a mode
 UP, X = 1.0078125, 1.005859375  # 1 + 2^-7 (bf16's next value after 1), and 1 + 3 x 2^-9 between
 
 
@@ -163,6 +164,35 @@ def test_rne_leaves_the_trainer_bit_identical_and_trunc_moves_only_the_16_bit_tr
         assert torch.equal(model.apply_rope(q, cos, sin), sites.round_to_bf16(exact, "trunc"))
     assert torch.equal(model.apply_rope(q, cos, sin), exact.to(torch.bfloat16))  # elsewhere
 
+
+def test_nudge_at_the_matmuls_moves_their_outputs_and_leaves_the_two_sites_at_rne(restore):
+    """nudge-matmuls: a linear's output rounded by nudge's rule (a quarter of the values off
+    rne's), the rotary's and the attention's outputs as the plain trainer rounds them; the trainer
+    moves, its float32 and warm-start forwards do not, and the gradient is finite."""
+    cfg = model.GPTConfig(n_layer=2, n_head=4, n_embd=128, n_hidden=384, max_seq_len=32)
+    plain = {k: forward_and_grads(cfg, *k) for k in (("bf16",), ("fp32",), ("bf16", False))}
+    sites.install("nudge-matmuls")
+    logits, grads = forward_and_grads(cfg, "bf16")
+    assert not torch.equal(logits, plain[("bf16",)][0])
+    assert all(g.isfinite().all() for g in grads)
+    for key in (("fp32",), ("bf16", False)):
+        assert torch.equal(forward_and_grads(cfg, *key)[0], plain[key][0]), key
+    g = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(n, 256, generator=g).to(torch.bfloat16) for n in (512, 384))
+    q, k, v = (torch.randn(2, 4, 16, 32, generator=g).to(torch.bfloat16) for _ in range(3))
+    cos, sin = model.rope_cos_sin(cfg, 16, "cpu")
+    exact = torch.nn.functional.linear(x.float(), w.float())
+    attention = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), is_causal=True)
+    with precision.TensorCoreMatmuls(torch.bfloat16, strict=True):
+        out = torch.nn.functional.linear(x, w)
+        rope = model.apply_rope(q, cos, sin)
+        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.equal(out, sites.round_to_bf16(exact, "nudge"))
+    moved = (out != exact.to(torch.bfloat16)).float().mean().item()
+    assert moved == pytest.approx(1 / 4, abs=0.01)
+    assert torch.equal(rope, ORIGINAL_ROPE(q, cos, sin))
+    assert torch.equal(att, attention.to(torch.bfloat16))
 
 def test_the_backward_is_a_casts():
     x = torch.tensor([X, -X, 3.0], requires_grad=True)
