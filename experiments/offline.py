@@ -35,7 +35,9 @@ MODES = {  # mode: (dtype, LM head, trainer kernels), get_precision's arguments
     "bf16-aligned": ("bf16", "same", "engine"),  # the trainer on the engine's kernels
     "fp16-aligned": ("fp16", "same", "engine"),
 }
-ALIGNED = {"bf16": "bf16-aligned", "fp16": "fp16-aligned"}  # a dtype's trainer on its engine's
+# each dtype's trainer on its engine's kernels, read off MODES
+ALIGNED = {dtype: mode for mode, (dtype, head, kernels) in MODES.items()
+           if kernels == "engine" and head == "same"}
 
 def mismatch_metrics(mu_logp, pi_logp, mask):
     """The run's mismatch metrics and, per bucket of pi, the share of tokens and their mismatch."""

@@ -15,7 +15,6 @@ import sites
 from conftest import ROOT
 from instruments import machine
 
-ORIGINAL_ROPE = model.apply_rope  # the plain trainer's, before any test installs a mode
 UP, X = 1.0078125, 1.005859375  # 1 + 2^-7 (bf16's next value after 1), and 1 + 3 x 2^-9 between
 
 
@@ -191,7 +190,7 @@ def test_nudge_at_the_matmuls_moves_their_outputs_and_leaves_the_two_sites_at_rn
     assert torch.equal(out, sites.round_to_bf16(exact, "nudge"))
     moved = (out != exact.to(torch.bfloat16)).float().mean().item()
     assert moved == pytest.approx(1 / 4, abs=0.01)
-    assert torch.equal(rope, ORIGINAL_ROPE(q, cos, sin))
+    assert torch.equal(rope, sites.ORIGINAL["rope"](q, cos, sin))
     assert torch.equal(att, attention.to(torch.bfloat16))
 
 def test_the_backward_is_a_casts():
