@@ -17,10 +17,12 @@ cast's: the gradient cast back to float32, unchanged):
     nudge16     to nearest, pushed 1/16 ulp either way by hash   0                 65/256 ulp
     nudge3of16  to nearest, pushed 3/16 ulp either way by hash   0                 73/256 ulp
 
-and one mode that leaves the two sites at rne and rounds elsewhere, where the engine's linears
-round to nearest too (AT_MATMULS): nudge-matmuls, nudge's rule at the output of every matmul
-of the 16-bit trainer but the attention's (the blocks' linears and the LM head); its page is
-matmulnudge.md.
+and modes that leave the two sites at rne and round elsewhere, where the engine's linears round
+to nearest too (AT_MATMULS): nudge-matmuls, nudge's rule at the output of every matmul of the
+16-bit trainer but the attention's (the blocks' linears and the LM head; matmulnudge.md), and
+nudge-head and sym-head, nudge's and sym's rule at the LM head's output alone: the logits
+moved, nothing before them (headnudge.md). The head is found by its weight (marked_forward).
+How far each mode moves the trainer's log-probs from rne's: redraw.py.
 
 (ulp: bf16's unit in the last place at the value; the means over uniformly spread low bits.)
 So the four after rne have the same mean |error| at the op, and only the sign's structure
@@ -74,6 +76,7 @@ HASH = 0x9E3779B1  # Knuth's multiplicative hash: the coin, a function of the va
 NUDGE = {mode: int(push * (LOW + 1)) for mode, push in NUDGE_PUSH.items()}
 LAYER_MODES = ("rne", *SITE_MODES, "rne5")  # --layers' modes unless --modes: its readings'
 ACTIVE = []  # the mode while the 16-bit trainer runs (SiteRounding); empty: rne everywhere
+HEADS = []  # the LM head's weight while a GPT's forward runs (marked_forward)
 
 def coin(bits):
     """sym's and nudge's coin: the top bit of the pattern times HASH, half of values each way."""
@@ -147,10 +150,17 @@ class SiteRounding(precision.TensorCoreMatmuls):
         del ACTIVE[len(ACTIVE) - self.strict:]
         return super().__exit__(*exc)
 
+    def at_matmul(self, func, args):
+        """Whether the mode rounds this matmul's output: every one, or the LM head's alone."""
+        if self.mode not in AT_MATMULS or func not in precision.MATMULS:
+            return False
+        head = func is torch.nn.functional.linear and HEADS and args[1] is HEADS[-1]
+        return AT_MATMULS[self.mode][1] == "every" or bool(head)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         sdpa = func is torch.nn.functional.scaled_dot_product_attention
-        at_matmul = func in precision.MATMULS and self.mode in AT_MATMULS
+        at_matmul = self.at_matmul(func, args)
         rounded = sdpa or (at_matmul and self.dtype == torch.bfloat16)
         if not (rounded and self.strict) or all(t.dtype == torch.float32 for t in tensors):
             return super().__torch_function__(func, types, args, kwargs)
@@ -162,7 +172,14 @@ class SiteRounding(precision.TensorCoreMatmuls):
         args, kwargs = tree_map(to_f32, (args, kwargs or {}))
         if sdpa:  # the attention's output, a site: the mode's rounding there (rne elsewhere)
             return site(func(*args, **kwargs), self.dtype)
-        return RoundAt.apply(func(*args, **kwargs), AT_MATMULS[self.mode])
+        return RoundAt.apply(func(*args, **kwargs), AT_MATMULS[self.mode][0])
+
+def marked_forward(self, *args, **kwargs):  # model.GPT.forward, its head's weight marked
+    HEADS.append(self.lm_head.weight)  # under functional_call: the 16-bit copy the head uses
+    try:
+        return ORIGINAL["forward"](self, *args, **kwargs)
+    finally:
+        HEADS.pop()
 
 def install(mode):
     """The trainer's rounding at the two sites, for this process (one mode a process)."""
@@ -171,14 +188,17 @@ def install(mode):
     SiteRounding.mode = mode
     precision.TensorCoreMatmuls = SiteRounding  # logits_fn reads the name at each call
     model.apply_rope = apply_rope  # Attention.forward reads the name at each call
+    model.GPT.forward = marked_forward  # the head found by its weight, whatever its shape
     return mode
 
-ORIGINAL = {"trainer": precision.TensorCoreMatmuls, "rope": model.apply_rope}
+ORIGINAL = {"trainer": precision.TensorCoreMatmuls, "rope": model.apply_rope,
+            "forward": model.GPT.forward}
 
 def use(mode):
     """install(mode), or with None the trainer as it is (the original names back)."""
     if mode is None:
         precision.TensorCoreMatmuls, model.apply_rope = ORIGINAL["trainer"], ORIGINAL["rope"]
+        model.GPT.forward = ORIGINAL["forward"]
         return None
     return install(mode)
 

@@ -165,8 +165,11 @@ SITE_MODES = ("trunc", "away", "rne6", "sym")  # plan sites' four, one mean |err
 # nudge's pushes, in ulp: rne's rule with the value pushed that far either way first (sites.py)
 NUDGE_PUSH = {"nudge": 1 / 4, "nudge8": 1 / 8, "nudge16": 1 / 16, "nudge3of16": 3 / 16}
 # Modes that leave the two sites at rne and round the trainer's matmul outputs by a rule instead,
-# where the engine rounds to nearest too (linears, the head): mode -> the rule (matmulnudge.md)
-AT_MATMULS = {"nudge-matmuls": "nudge"}
+# where the engine rounds to nearest too: mode -> (the rule, where: "every" matmul but the
+# attention's, the blocks' linears and the LM head, or the "head" alone; matmulnudge.md,
+# headnudge.md). At the head alone the rule moves the logits and nothing before them.
+AT_MATMULS = {"nudge-matmuls": ("nudge", "every"), "nudge-head": ("nudge", "head"),
+              "sym-head": ("sym", "head")}
 SITE_ROUNDING = ("rne", *SITE_MODES, "rne5", *NUDGE_PUSH, *AT_MATMULS)  # sites.py's
 SITE_COLORS = {"trunc": "chocolate", "away": "darkmagenta", "rne6": "mediumseagreen",
                "sym": "steelblue"}  # apart from bf16's red, which they are read against
@@ -203,6 +206,11 @@ for _mode, _color in (("trunc", "teal"), ("rne6", "navy"), ("sym", "cadetblue"),
 # changing the forward where the engine rounds to nearest lift as nudge at the two sites did?
 add(Variant("bf16-trunc-matmul-nudge", BF16, library=TRUNCATING, site_rounding="nudge-matmuls",
             needs=("avx512_bf16",), color="slategray"))
+# sym's rule at the LM head's output alone (headnudge.md): the logits redrawn by about as much
+# as the matmuls' nudge redraws the answer tokens' log-probs, the path before them untouched.
+# Does the log-ratio's redraw lift, or does the lift need the path?
+add(Variant("bf16-trunc-head-sym", BF16, library=TRUNCATING, site_rounding="sym-head",
+            needs=("avx512_bf16",), color="lightslategray"))
 # The CPU trainer's embedding backward summed in float32, as a GPU sums it (embed32.md): the
 # bf16 emulation's backward sums a token's rows in bf16, where most of its gradient's error
 # lies. Against the truncating library forced, does GSPO still fall? Against the chip's own?

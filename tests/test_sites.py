@@ -138,9 +138,10 @@ def forward_and_grads(cfg, dtype, strict=True):
 
 @pytest.fixture
 def restore(monkeypatch):
-    """sites.install patches two names for the process: put them back after the test."""
+    """sites.install patches three names for the process: put them back after the test."""
     monkeypatch.setattr(precision, "TensorCoreMatmuls", precision.TensorCoreMatmuls)
     monkeypatch.setattr(model, "apply_rope", model.apply_rope)
+    monkeypatch.setattr(model.GPT, "forward", model.GPT.forward)
     monkeypatch.setattr(sites.SiteRounding, "mode", "rne")
 
 
@@ -192,6 +193,42 @@ def test_nudge_at_the_matmuls_moves_their_outputs_and_leaves_the_two_sites_at_rn
     assert moved == pytest.approx(1 / 4, abs=0.01)
     assert torch.equal(rope, sites.ORIGINAL["rope"](q, cos, sin))
     assert torch.equal(att, attention.to(torch.bfloat16))
+
+def linear_inputs_and_logits(cfg, mode):
+    """The 16-bit trainer's logits and the input of every linear (q, k, v, o, gate, up, down a
+    block, then the head), in mode (None: the trainer as it is)."""
+    sites.use(mode)
+    torch.manual_seed(0)
+    gpt = model.GPT(cfg)
+    seen = []
+    for m in gpt.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_hook(lambda m, i, o: seen.append(i[0].detach().clone()))
+    idx = torch.randint(0, cfg.vocab_size, (4, 16))
+    with torch.no_grad():
+        logits = precision.get_precision("bf16", device="cpu").logits_fn(gpt)(idx)
+    sites.use(None)
+    return seen, logits
+
+
+def test_a_rule_at_the_head_moves_the_logits_alone(restore):
+    """nudge-head and sym-head: every linear's input, the head's included, bit-identical to the
+    plain trainer's; the logits are the plain head's float32 product rounded by the rule (nudge:
+    a quarter of them off rne's, sym: half), so nothing before the head moved."""
+    cfg = model.GPTConfig(n_layer=2, n_head=4, n_embd=128, n_hidden=384, max_seq_len=32)
+    inputs, logits = linear_inputs_and_logits(cfg, None)
+    assert len(inputs) == 7 * cfg.n_layer + 1
+    torch.manual_seed(0)
+    head = model.GPT(cfg).lm_head.weight.to(torch.bfloat16).float()
+    exact = torch.nn.functional.linear(inputs[-1].float(), head)  # the head's input is a bf16
+    assert torch.equal(logits, exact.to(torch.bfloat16))
+    for mode, rule, share in (("nudge-head", "nudge", 1 / 4), ("sym-head", "sym", 1 / 2)):
+        moved_inputs, moved = linear_inputs_and_logits(cfg, mode)
+        assert all(torch.equal(a, b) for a, b in zip(inputs, moved_inputs)), mode
+        assert torch.equal(moved, sites.round_to_bf16(exact, rule)), mode
+        assert (moved != logits).float().mean().item() == pytest.approx(share, abs=0.02), mode
+    assert sites.HEADS == [] and model.GPT.forward is sites.ORIGINAL["forward"]
+
 
 def test_the_backward_is_a_casts():
     x = torch.tensor([X, -X, 3.0], requires_grad=True)
