@@ -95,7 +95,8 @@ for _plan, _step in (("swap", SWAP_STEP), ("swap-late", LATE_SWAP)):
 # own library rounds, the same two against its truncating library forced (bf16-trunc's control),
 # and sym, rne6's redraw, nudge, the neutral change (symredraw.md), and nudge8, nudge16 and
 # nudge3of16, its doses (nudgedose.md, nudgedose316.md), and nudge at the trainer's matmuls
-# instead of the two sites (matmulnudge.md), and sym at the LM head alone (headnudge.md);
+# instead of the two sites (matmulnudge.md), sym at the LM head alone and the nudge at the
+# blocks' linears alone (headnudge.md);
 # without AMX the four modes against its own library (bf16's control). nudge against the rounding engine too (AMX hidden: its cost).
 PLANS["sites"] = [("gspo-engine", ["bf16-noamx", *(f"bf16-noamx-site-{m}" for m in SITE_MODES),
                                    "bf16-noamx-site-nudge",
@@ -105,7 +106,7 @@ PLANS["sites"] = [("gspo-engine", ["bf16-noamx", *(f"bf16-noamx-site-{m}" for m 
                                    "bf16-trunc-site-nudge", "bf16-trunc-site-nudge8",
                                    "bf16-trunc-site-nudge16",
                                    "bf16-trunc-site-nudge3of16", "bf16-trunc-matmul-nudge",
-                                   "bf16-trunc-head-sym"])]
+                                   "bf16-trunc-head-sym", "bf16-trunc-blocks-nudge"])]
 # Then grpo for the variants that fell in gspo-engine (sites.md), five seeds, with their control;
 # without AMX, the two that fell against the chip's own library, bf16 their control (where that
 # library truncates, bf16-site-trunc is the cheap fix: it runs in grpo if it fell; sites-xeon.md).

@@ -21,7 +21,7 @@ and modes that leave the two sites at rne and round elsewhere, where the engine'
 to nearest too (AT_MATMULS): nudge-matmuls, nudge's rule at the output of every matmul of the
 16-bit trainer but the attention's (the blocks' linears and the LM head; matmulnudge.md), and
 nudge-head and sym-head, nudge's and sym's rule at the LM head's output alone: the logits
-moved, nothing before them (headnudge.md). The head is found by its weight (marked_forward).
+moved, nothing before them, and nudge-blocks, nudge's at every one but the head's (headnudge.md). The head is found by its weight (marked_forward).
 How far each mode moves the trainer's log-probs from rne's: redraw.py.
 
 (ulp: bf16's unit in the last place at the value; the means over uniformly spread low bits.)
@@ -151,11 +151,13 @@ class SiteRounding(precision.TensorCoreMatmuls):
         return super().__exit__(*exc)
 
     def at_matmul(self, func, args):
-        """Whether the mode rounds this matmul's output: every one, or the LM head's alone."""
+        """Whether the mode rounds this matmul's output: every one, the LM head's alone, or
+        every one but the head's."""
         if self.mode not in AT_MATMULS or func not in precision.MATMULS:
             return False
-        head = func is torch.nn.functional.linear and HEADS and args[1] is HEADS[-1]
-        return AT_MATMULS[self.mode][1] == "every" or bool(head)
+        head = bool(func is torch.nn.functional.linear and HEADS and args[1] is HEADS[-1])
+        where = AT_MATMULS[self.mode][1]
+        return where == "every" or head == (where == "head")
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]

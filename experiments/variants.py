@@ -166,10 +166,11 @@ SITE_MODES = ("trunc", "away", "rne6", "sym")  # plan sites' four, one mean |err
 NUDGE_PUSH = {"nudge": 1 / 4, "nudge8": 1 / 8, "nudge16": 1 / 16, "nudge3of16": 3 / 16}
 # Modes that leave the two sites at rne and round the trainer's matmul outputs by a rule instead,
 # where the engine rounds to nearest too: mode -> (the rule, where: "every" matmul but the
-# attention's, the blocks' linears and the LM head, or the "head" alone; matmulnudge.md,
-# headnudge.md). At the head alone the rule moves the logits and nothing before them.
+# attention's, the blocks' linears and the LM head, the "head" alone, or the "blocks'" linears
+# alone; matmulnudge.md, headnudge.md). At the head alone the rule moves the logits and nothing
+# before them; at the blocks alone, everything before the head, the head rounding to nearest.
 AT_MATMULS = {"nudge-matmuls": ("nudge", "every"), "nudge-head": ("nudge", "head"),
-              "sym-head": ("sym", "head")}
+              "sym-head": ("sym", "head"), "nudge-blocks": ("nudge", "blocks")}
 SITE_ROUNDING = ("rne", *SITE_MODES, "rne5", *NUDGE_PUSH, *AT_MATMULS)  # sites.py's
 SITE_COLORS = {"trunc": "chocolate", "away": "darkmagenta", "rne6": "mediumseagreen",
                "sym": "steelblue"}  # apart from bf16's red, which they are read against
@@ -211,6 +212,10 @@ add(Variant("bf16-trunc-matmul-nudge", BF16, library=TRUNCATING, site_rounding="
 # Does the log-ratio's redraw lift, or does the lift need the path?
 add(Variant("bf16-trunc-head-sym", BF16, library=TRUNCATING, site_rounding="sym-head",
             needs=("avx512_bf16",), color="lightslategray"))
+# The matmuls' nudge without the head (headnudge.md): the path before the logits moved as the
+# matmuls' nudge moves it, the head rounding to nearest. Does it lift as the whole did?
+add(Variant("bf16-trunc-blocks-nudge", BF16, library=TRUNCATING, site_rounding="nudge-blocks",
+            needs=("avx512_bf16",), color="darkslategray"))
 # The CPU trainer's embedding backward summed in float32, as a GPU sums it (embed32.md): the
 # bf16 emulation's backward sums a token's rows in bf16, where most of its gradient's error
 # lies. Against the truncating library forced, does GSPO still fall? Against the chip's own?

@@ -214,7 +214,8 @@ def linear_inputs_and_logits(cfg, mode):
 def test_a_rule_at_the_head_moves_the_logits_alone(restore):
     """nudge-head and sym-head: every linear's input, the head's included, bit-identical to the
     plain trainer's; the logits are the plain head's float32 product rounded by the rule (nudge:
-    a quarter of them off rne's, sym: half), so nothing before the head moved."""
+    a quarter of them off rne's, sym: half), so nothing before the head moved. nudge-blocks: the
+    first linear's input as plain, the head's moved, the logits its product rounded to nearest."""
     cfg = model.GPTConfig(n_layer=2, n_head=4, n_embd=128, n_hidden=384, max_seq_len=32)
     inputs, logits = linear_inputs_and_logits(cfg, None)
     assert len(inputs) == 7 * cfg.n_layer + 1
@@ -227,6 +228,10 @@ def test_a_rule_at_the_head_moves_the_logits_alone(restore):
         assert all(torch.equal(a, b) for a, b in zip(inputs, moved_inputs)), mode
         assert torch.equal(moved, sites.round_to_bf16(exact, rule)), mode
         assert (moved != logits).float().mean().item() == pytest.approx(share, abs=0.02), mode
+    moved_inputs, moved = linear_inputs_and_logits(cfg, "nudge-blocks")  # all but the head
+    assert torch.equal(moved_inputs[0], inputs[0]) and not torch.equal(moved_inputs[-1], inputs[-1])
+    product = torch.nn.functional.linear(moved_inputs[-1].float(), head)
+    assert torch.equal(moved, product.to(torch.bfloat16))  # the head rounds to nearest
     assert sites.HEADS == [] and model.GPT.forward is sites.ORIGINAL["forward"]
 
 
