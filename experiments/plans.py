@@ -96,8 +96,8 @@ for _plan, _step in (("swap", SWAP_STEP), ("swap-late", LATE_SWAP)):
 # and sym, rne6's redraw, nudge, the neutral change (symredraw.md), and nudge8, nudge16 and
 # nudge3of16, its doses (nudgedose.md, nudgedose316.md), and nudge at the trainer's matmuls
 # instead of the two sites (matmulnudge.md), sym at the LM head alone and the nudge at the
-# blocks' linears alone (headnudge.md);
-# without AMX the four modes against its own library (bf16's control). nudge against the rounding engine too (AMX hidden: its cost).
+# blocks' linears alone (headnudge.md); without AMX the four modes against its own library
+# (bf16's control). nudge against the rounding engine too (AMX hidden: its cost).
 PLANS["sites"] = [("gspo-engine", ["bf16-noamx", *(f"bf16-noamx-site-{m}" for m in SITE_MODES),
                                    "bf16-noamx-site-nudge",
                                    "bf16", "bf16-aligned", *(f"bf16-site-{m}" for m in SITE_MODES),

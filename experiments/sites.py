@@ -21,8 +21,9 @@ and modes that leave the two sites at rne and round elsewhere, where the engine'
 to nearest too (AT_MATMULS): nudge-matmuls, nudge's rule at the output of every matmul of the
 16-bit trainer but the attention's (the blocks' linears and the LM head; matmulnudge.md), and
 nudge-head and sym-head, nudge's and sym's rule at the LM head's output alone: the logits
-moved, nothing before them, and nudge-blocks, nudge's at every one but the head's (headnudge.md). The head is found by its weight (marked_forward).
-How far each mode moves the trainer's log-probs from rne's: redraw.py.
+moved, nothing before them, and nudge-blocks, nudge's at every one but the head's
+(headnudge.md). The head is found by its weight (marked_forward). How far each mode moves the
+trainer's log-probs from rne's: redraw.py.
 
 (ulp: bf16's unit in the last place at the value; the means over uniformly spread low bits.)
 So the four after rne have the same mean |error| at the op, and only the sign's structure
