@@ -150,12 +150,16 @@ def parse(p, argv):
     """The flags, checked: one line and exit 2 before any work."""
     args = p.parse_args(argv)
     args.max_new_tokens, args.dr_grpo = 2 * args.n_items + 8, False
-    try:
-        read_config(args.init) if args.init else None
-    except ValueError as e:
-        common.refuse(f"--init: {e}")
+    refuse_bad_init(args.init)
     common.writable(args.json)
     return args
+
+def refuse_bad_init(path):
+    """--init, where given: model.read_config's check, one line and exit 2 before any work."""
+    try:
+        read_config(path) if path else None
+    except ValueError as e:
+        common.refuse(f"--init: {e}")
 
 def kernel_flags(p):
     """The engine's kernel library and the bf16 trainer's rounding at the two sites: one of

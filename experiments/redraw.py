@@ -25,7 +25,7 @@ against it) and any backward.
 import common  # first: it puts the core (model.py, precision.py) on the path
 import model
 import sites
-from offline import activations
+from offline import activations, refuse_bad_init
 
 
 def redraw(ckpt, seed=0, modes=sites.LAYER_MODES):
@@ -57,10 +57,7 @@ def main(argv=None):
     common.writable(args.json)
     if "trunc" not in args.modes:
         common.refuse("--modes: trunc among them (each mode is read over trunc's)")
-    try:  # model.read_config's check: one line before any work
-        model.read_config(args.init) if args.init else None
-    except ValueError as e:
-        common.refuse(f"--init: {e}")
+    refuse_bad_init(args.init)
     ckpt = args.init or sites.default_warm_start(args.seed)
     out = redraw(ckpt, args.seed, args.modes)
     trunc = out["trunc"]

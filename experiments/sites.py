@@ -362,10 +362,8 @@ def main(argv=None):
     if args.library and not args.engine:
         common.refuse("--library: the engine's kernels are read only with --engine")
     rounding.refuse_unrunnable(args.library)
-    try:  # model.read_config's check, as offline.parse makes it: one line before any work
-        model.read_config(args.init) if args.init else None
-    except ValueError as e:
-        common.refuse(f"--init: {e}")
+    from offline import refuse_bad_init  # offline imports this module: here, not at the top
+    refuse_bad_init(args.init)
     if args.layers:
         return read_layers(args, machine())
     if not args.cost:
