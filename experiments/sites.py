@@ -75,6 +75,7 @@ KEPT = {"rne6": 6, "rne5": 5}  # the to-nearest modes' kept mantissa bits (a bf1
 HASH = 0x9E3779B1  # Knuth's multiplicative hash: the coin, a function of the value alone
 # the push in the 16 dropped bits, whose range is one ulp (a quarter: 0x4000), exact for these
 NUDGE = {mode: int(push * (LOW + 1)) for mode, push in NUDGE_PUSH.items()}
+RULES = tuple(m for m in MODES if m not in AT_MATMULS)  # round_to_bf16's; the rest are places
 LAYER_MODES = ("rne", *SITE_MODES, "rne5")  # --layers' modes unless --modes: its readings'
 ACTIVE = []  # the mode while the 16-bit trainer runs (SiteRounding); empty: rne everywhere
 HEADS = []  # the LM head's weight while a GPT's forward runs (marked_forward)
@@ -99,11 +100,13 @@ def round_bits(x, mode):
     elif mode in NUDGE:  # +-the push, then to nearest, ties to even: still a bf16 neighbour
         push = NUDGE[mode]
         bits = to_nearest(bits + torch.where(coin(bits), push, -push), 16)
-    else:  # away: up by one bf16 step wherever a low bit is set; sym: half of those, by hash
+    elif mode in ("away", "sym"):  # up one bf16 step wherever a low bit is set; sym: half
         up = (bits & LOW) != 0
         if mode == "sym":
             up &= coin(bits)
         bits = (bits & ~LOW) + up * (LOW + 1)
+    else:  # rne is torch's cast; a matmul mode names where its rule acts, not a rule
+        raise ValueError(f"round_bits: no rule {mode!r}")
     out = bits & 0xFFFFFFFF
     out = torch.where(out >= 2 ** 31, out - 2 ** 32, out).to(torch.int32).view(torch.float32)
     # NaN in, quiet NaN out: the adds above could carry a payload into the exponent or sign

@@ -45,7 +45,7 @@ def test_each_mode_by_hand():
     quarter = torch.tensor([1 + 2 * eighth, 1 + 6 * eighth])  # 1/4, 3/4 ulp: 1/4 from the tie
     assert sites.round_to_bf16(quarter, "nudge3of16").float().tolist() == [1.0, UP]  # too short
     nan_payloads = torch.tensor([0x7F800001, 0x7FFFFFFF, -1], dtype=torch.int32).view(torch.float32)
-    for mode in sites.MODES:  # a payload never carries into the exponent or the sign
+    for mode in sites.RULES:  # a payload never carries into the exponent or the sign
         assert sites.round_to_bf16(nan_payloads, mode).isnan().all(), mode
 
 
@@ -237,10 +237,13 @@ def test_a_rule_at_the_head_moves_the_logits_alone(restore):
 
 def test_the_backward_is_a_casts():
     x = torch.tensor([X, -X, 3.0], requires_grad=True)
-    for mode in sites.MODES:
+    for mode in sites.RULES:  # each rule RoundAt takes
         x.grad = None
         (sites.RoundAt.apply(x, mode).float() * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
         assert x.grad.tolist() == [1.0, 2.0, 3.0] and x.grad.dtype == torch.float32, mode
+    for mode in sites.AT_MATMULS:  # a place, not a rule: refused, not read as another rule
+        with pytest.raises(ValueError, match="no rule"):
+            sites.round_bits(x.detach(), mode)
 
 
 def test_layers_reads_every_mode_block_by_block_and_leaves_the_trainer_as_it_was(random_ckpt, restore):
