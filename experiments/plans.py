@@ -97,9 +97,10 @@ for _plan, _step in (("swap", SWAP_STEP), ("swap-late", LATE_SWAP)):
 # nudge3of16, its doses (nudgedose.md, nudgedose316.md), and nudge at the trainer's matmuls
 # instead of the two sites (matmulnudge.md), sym at the LM head alone and the nudge at the
 # blocks' linears alone (headnudge.md); without AMX the four modes against its own library
-# (bf16's control). nudge against the rounding engine too (AMX hidden: its cost).
+# (bf16's control). nudge and the blocks' nudge against the rounding engine too (AMX hidden:
+# their cost).
 PLANS["sites"] = [("gspo-engine", ["bf16-noamx", *(f"bf16-noamx-site-{m}" for m in SITE_MODES),
-                                   "bf16-noamx-site-nudge",
+                                   "bf16-noamx-site-nudge", "bf16-noamx-blocks-nudge",
                                    "bf16", "bf16-aligned", *(f"bf16-site-{m}" for m in SITE_MODES),
                                    "bf16-trunc", "bf16-trunc-site-trunc",
                                    "bf16-trunc-site-rne6", "bf16-trunc-site-sym",

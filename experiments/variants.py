@@ -216,6 +216,10 @@ add(Variant("bf16-trunc-head-sym", BF16, library=TRUNCATING, site_rounding="sym-
 # matmuls' nudge moves it, the head rounding to nearest. Does it lift as the whole did?
 add(Variant("bf16-trunc-blocks-nudge", BF16, library=TRUNCATING, site_rounding="nudge-blocks",
             needs=("avx512_bf16",), color="darkslategray"))
+# The blocks' nudge against the rounding engine (AMX hidden, as bf16-noamx; blocksnudge-noamx.md):
+# it lifted GSPO against the truncating library; does it cost anything where the engine rounds?
+add(Variant("bf16-noamx-blocks-nudge", BF16, hide_amx=True, site_rounding="nudge-blocks",
+            needs=("amx_tile",), color="darkcyan"))
 # The CPU trainer's embedding backward summed in float32, as a GPU sums it (embed32.md): the
 # bf16 emulation's backward sums a token's rows in bf16, where most of its gradient's error
 # lies. Against the truncating library forced, does GSPO still fall? Against the chip's own?
