@@ -9,18 +9,19 @@ resumable: stop it at any moment, run the same command again, and it goes on whe
     python experiments/campaign.py --arms grpo --variants bf16 fp16    # any variants, on an arm
 
 A run is `train_grpo.py --seed S` with its arm's and variant's flags, in
-runs/campaign/ARM-VARIANT-sS (--seed picks the warm start too: one per seed, cached); a run left
-half done is resumed. A finished run's policy is read by one fp32 engine (heldout.py; in
-PROBED arms also by mismatch.py --quick, and each seed's warm start once), then its small files
-go to results/<machine>/: committed, skipped next time, what the figures are drawn from.
-<machine> is the CPU model and the ISA features vLLM's kernels read: runs are paired only
-within one machine's folder. --stop-after N ends every run after its N-th update (of its own
-schedule: its rows equal the whole run's) and reads that policy; results/<machine>/stepN/
-keeps them; a later stop, or the whole run, goes on from an earlier stop's checkpoint where
-it is kept (resume is exact). A run's variant reaches --run by name (--variant): its record
-(variants.py) gives the engine's options, one value from here to rollout.start_engine.
-A campaign refuses a tree with uncommitted changes to tracked files, unless --allow-dirty,
-which keeps the diff beside each run (diff.patch): a result names its code.
+runs/campaign/ARM-VARIANT-sS (--seed picks the warm start too: one per seed, cached, unless the
+variant names another seed's); a run left half done is resumed. A finished run's policy is read
+by one fp32 engine (heldout.py; in PROBED arms also by mismatch.py --quick, and each seed's warm
+start once), then its small files go to results/<machine>/: committed, skipped next time, what
+the figures are drawn from. <machine> is the CPU model and the ISA features vLLM's kernels read:
+runs are paired only within one machine's folder. --stop-after N ends every run after its N-th
+update (of its own schedule: its rows equal the whole run's) and reads that policy;
+results/<machine>/stepN/ keeps them; a later stop, or the whole run, goes on from an earlier
+stop's checkpoint where it is kept (resume is exact). A run's variant reaches --run by name
+(--variant): its record (variants.py) gives the engine's options, one value from here to
+rollout.start_engine. A campaign refuses a tree with uncommitted changes to tracked files,
+unless --allow-dirty, which keeps the diff beside each run (diff.patch): a result names its
+code.
 """
 import json
 import os
@@ -162,8 +163,8 @@ def train_run(argv, stop_after, variant, calibration=None):
     args.json; with stop_after n, ended after its n-th update on the schedule of all --steps
     (stop_after recorded), its policy in hf/ as a whole run's. The variant's record gives the
     engine's options (its kernel library, AMX hidden, the rotary on torch, the dial with its
-    calibration file; the trainer's site rounding) and what args.json records of them
-    (variants.py's table)."""
+    calibration file; the trainer's site rounding; another seed's warm start) and what args.json
+    records of them (variants.py's table)."""
     import instruments
     import train_grpo
 
@@ -189,6 +190,9 @@ def train_run(argv, stop_after, variant, calibration=None):
         import fused
 
         record["attention_weights"] = fused.install()
+    if variant.warm_seed is not None:  # another seed's start; the task, the stream the run's
+        record["warm_seed"] = variant.warm_seed
+        args.init = warm_init(args, variant.warm_seed)
     if variant.rotary_torch:  # vLLM keeps its first engine's: one a process
         engine_options["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
         record["engine_custom_ops"] = ["-rotary_embedding"]
@@ -203,6 +207,17 @@ def train_run(argv, stop_after, variant, calibration=None):
         record.update(dialed)
     train_grpo.train(args, instruments=instruments, record=record,
                      until=record.get("stop_after"), engine_options=engine_options)
+
+def warm_init(args, seed):
+    """The warm start a run of `seed` with these flags starts from (warm_start.py: trained
+    once, cached by all that sets it), for a run that keeps its own seed for the rest."""
+    import warm_start
+    from precision import get_precision
+
+    cfg = warm_start.model_config(args.n_items, args.max_new_tokens, args.n_layer, args.n_head,
+                                  args.n_embd)
+    device = get_precision(args.dtype, args.engine_dtype, args.lm_head).device
+    return warm_start.warm_start(cfg, args.n_items, seed, device)
 
 def swap_step(out):
     """The update a swap run changed library at: as its args.json says
@@ -257,6 +272,9 @@ def refuse_unfit(variant, args):
     if variant.attention_weights != "float32" and machine()["gpu"]:  # its fused kernel does
         refuse(f"--variant {variant.name}: the fused attention is the CPU trainer's model of a "
                "GPU's kernel; this is a GPU")
+    if variant.warm_seed is not None and "--init" in args.extra:  # two starts named
+        refuse(f"--variant {variant.name}: it starts from seed {variant.warm_seed}'s warm start; "
+               "drop --init")
     if formats(args.extra) != formats(variant.flags):  # args.json would name another
         refuse(f"--variant {variant.name}: its flags are {' '.join(variant.flags)}, the "
                f"run's formats {formats(args.extra)}")
