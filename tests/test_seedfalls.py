@@ -1,0 +1,67 @@
+"""experiments/seedfalls.py's statistics by hand, its crossing's groups from a base's falls, and
+campaign.py's crossed start: another seed's warm start."""
+import math
+
+import pytest
+import torch
+
+import campaign
+import seedfalls
+import variants
+import warm_start
+from conftest import tiny_args
+from model import load_hf
+
+
+def test_the_spread_of_falls_against_chance_matches_its_enumeration():
+    """Three seeds, two variants falling once each, on one seed: by hand, both land on one seed
+    with probability 1/3 (spread 4), else 2, so the null's mean is 8/3 and p = 1/3."""
+    falls = [[True, True], [False, False], [False, False]]
+    s, mean, hits, p = seedfalls.cluster_p(falls, draws=60_000)
+    assert s == 4 and abs(mean - 8 / 3) < 0.02 and abs(p - 1 / 3) < 0.01
+    apart = [[True, False], [False, True], [False, False]]  # every draw reaches its spread, 2
+    assert seedfalls.cluster_p(apart, draws=1_000)[2:] == (1_000, 1.0)
+
+
+def test_fishers_two_sided_p_and_spearmans_ranks_by_hand():
+    """4 of 4 against 0 of 4: two tables of C(8, 4) = 70 as extreme, p = 2/70; 3 of 4 against
+    1 of 4: the hypergeometric's 1, 16, 36, 16, 1 (of 70) at most 16 sum to 34/70."""
+    assert math.isclose(seedfalls.fisher_two_sided(4, 4, 0, 4), 2 / 70)
+    assert math.isclose(seedfalls.fisher_two_sided(3, 4, 1, 4), 34 / 70)
+    assert seedfalls.fisher_two_sided(2, 4, 2, 4) == 1.0
+    assert seedfalls.ranks([3.0, 1.0, 1.0]).tolist() == [3.0, 1.5, 1.5]
+    rho, p = seedfalls.spearman([1, 2, 3, 4, 5], [2, 4, 8, 16, 32], draws=2_000)
+    assert rho == pytest.approx(1.0) and p < 0.03  # 2 of 120 orders as extreme: p ~ 1/60
+
+
+def test_the_crossing_reads_fragile_seeds_from_its_base_and_groups_the_crossed_runs():
+    """The base fell on seed 5 alone: a start of 5 with stream 1 is 'fragile start, held stream',
+    a start of 1 with stream 5 the other group; a run of both fragile parts is in neither."""
+    base = "bf16-trunc-site-rne6"
+    found = {base: [(s, [], {"heldout": h}) for s, h in ((1, 0.95), (5, 0.2))],
+             f"{base}-warm5": [(1, [], {"heldout": 0.1})],
+             f"{base}-warm1": [(5, [], {"heldout": 0.9})],
+             f"{base}-warm14": [(5, [], {"heldout": 0.3})]}
+    c = seedfalls.crossing(found)[base]
+    assert c["fragile"] == [5]
+    assert c["groups"] == {"fragile start, held stream": [1, 1],
+                           "held start, fragile stream": [0, 1]}
+    assert c["p_fisher_two_sided"] == 1.0  # one run a group tells nothing
+    assert [(r["warm"], r["seed"], r["fell"]) for r in c["runs"]] == [
+        (1, 5, False), (5, 1, True), (14, 5, True)]
+    assert seedfalls.base_of(f"{base}-warm14") == base
+
+
+def test_a_crossed_run_starts_from_the_other_seeds_warm_start(tmp_path, monkeypatch):
+    """campaign.warm_init: seed 1's warm start (trained once, cached), whose weights are not
+    seed 0's; the crossed records name their base's record but the start. (Two SFT steps: the
+    cache keys the steps, so these are their own warm starts.)"""
+    monkeypatch.setattr(warm_start, "SFT_STEPS", 2)
+    args = tiny_args(str(tmp_path), "--seed", "0")
+    cfg = warm_start.model_config(args.n_items, args.max_new_tokens)
+    own, other = warm_start.warm_start(cfg, args.n_items, 0, "cpu"), campaign.warm_init(args, 1)
+    assert other == warm_start.warm_start(cfg, args.n_items, 1, "cpu") != own
+    a, b = load_hf(own, "cpu").state_dict(), load_hf(other, "cpu").state_dict()
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    crossed = [v for v in variants.VARIANTS.values() if v.warm_seed is not None]
+    assert crossed and all(seedfalls.base_of(v.name) for v in crossed)
