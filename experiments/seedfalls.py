@@ -18,7 +18,9 @@ runs of an arm, every variant run at all the given seeds:
 4. The crossing (variants.py's warm_seed records): a run from warm start W with the RL stream of
    seed R. A seed is fragile where the crossed records' base (the same record from its own
    warm start) fell. Two groups: a fragile start with a held stream, a held start with a fragile
-   stream; each one's falls, and Fisher's exact two-sided p between them.
+   stream; each one's falls, and Fisher's exact two-sided p between them. Beside them, each
+   crossed run's step-0 mean |d|, nearer (in ratio) its start's own run's or its stream's, and
+   the step its batch's reward first fell below FELL (the dip), each seed's own run's beside.
 
     M=results/intel-xeon-processor-avx2-avx512f-avx512-bf16-avx512-fp16-amx-tile-amx-bf16
     python experiments/seedfalls.py $M --seeds 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 \
@@ -34,7 +36,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from causal import FELL
-from common import holm, refuse
+from common import fmt, holm, refuse
 from results import load_experiment, machine_title, parse_runs, runs_parser, save
 from variants import VARIANTS
 
@@ -123,30 +125,49 @@ def covariates(found, seeds, counts, control):
         r["p_holm"] = p_holm  # over the two readings
     return {"control": control, **out}
 
+def run_reading(rows, figures):
+    """A run's held-out, whether it fell, its step-0 mean |d|, and the first step whose batch's
+    reward fell below FELL (its dip; None where none did)."""
+    return {"heldout": figures["heldout"], "fell": figures["heldout"] < FELL,
+            "step0_abs": rows[0]["mismatch_logp_abs_mean"] if rows else None,
+            "dip_step": next((r["step"] for r in rows if r["reward_mean"] < FELL), None)}
+
+def nearer(x, start, stream):
+    """Whether a crossed run's step-0 mismatch lies nearer (in ratio) its start's own run's
+    or its stream's: "start", "stream", or None where one is missing."""
+    if None in (x, start, stream):
+        return None
+    return "start" if abs(math.log(x / start)) < abs(math.log(x / stream)) else "stream"
+
 def crossing(found):
-    """The crossed runs, by base: each (warm start, stream, held-out, fell), the base's own
-    runs, its fragile seeds, and the two groups' falls with Fisher's p."""
+    """The crossed runs, by base: each one's warm start, stream and reading (run_reading), the
+    base's own runs, its fragile seeds, the two groups' falls with Fisher's p, and how many
+    crossed runs' step-0 mismatch lies nearer their start's own than their stream's."""
     out = {}
     for v, runs in found.items():
         w = VARIANTS[v].warm_seed
         if w is None or (base := base_of(v)) not in found:
             continue
-        c = out.setdefault(base, {"runs": []})
-        c["runs"] += [{"warm": w, "seed": s, "heldout": f["heldout"],
-                       "fell": f["heldout"] < FELL} for s, _, f in runs]
+        out.setdefault(base, {"runs": []})["runs"] += [
+            {"warm": w, "seed": s, **run_reading(rows, f)} for s, rows, f in runs]
     for base, c in out.items():
-        own = {s: f["heldout"] for s, _, f in found[base]}
-        c["own"] = {str(s): h for s, h in sorted(own.items())}
-        fragile = {s for s, h in own.items() if h < FELL}
-        c["fragile"], c["runs"] = sorted(fragile), sorted(c["runs"], key=lambda r: (r["warm"],
-                                                                                     r["seed"]))
-        groups = {"fragile start, held stream": [r["fell"] for r in c["runs"] if r["warm"] in
-                                                 fragile and r["seed"] in own.keys() - fragile],
-                  "held start, fragile stream": [r["fell"] for r in c["runs"] if r["warm"] in
-                                                 own.keys() - fragile and r["seed"] in fragile]}
+        own = {s: run_reading(rows, f) for s, rows, f in found[base]}
+        fragile = {s for s, r in own.items() if r["fell"]}
+        held = own.keys() - fragile
+        c["own"], c["fragile"] = {str(s): r for s, r in sorted(own.items())}, sorted(fragile)
+        c["runs"].sort(key=lambda r: (r["warm"], r["seed"]))
+        for r in c["runs"]:
+            ends = (own.get(s, {}).get("step0_abs") for s in (r["warm"], r["seed"]))
+            r["step0_nearer"] = nearer(r["step0_abs"], *ends)
+        groups = {"fragile start, held stream": [r["fell"] for r in c["runs"]
+                                                 if r["warm"] in fragile and r["seed"] in held],
+                  "held start, fragile stream": [r["fell"] for r in c["runs"]
+                                                 if r["warm"] in held and r["seed"] in fragile]}
         c["groups"] = {g: [sum(f), len(f)] for g, f in groups.items()}
         (a, n_a), (b, n_b) = c["groups"].values()
         c["p_fisher_two_sided"] = fisher_two_sided(a, n_a, b, n_b) if n_a and n_b else None
+        near = [r["step0_nearer"] for r in c["runs"] if r["step0_nearer"]]
+        c["step0_nearer_start"] = [near.count("start"), len(near)]
     return out
 
 def read(path, seeds, arm=ARM, control=CONTROL):
@@ -182,9 +203,15 @@ def print_read(out):
             print(f"{cov['control']}'s {key} against the falls by seed: Spearman "
                   f"{r['spearman']:+.3f}, p {r['p']:.4f}, Holm (2) {r['p_holm']:.4f}")
     for base, c in out["crossing"].items():
-        print(f"\ncrossed {base} (fragile seeds {c['fragile']}): warm start, stream, held-out")
+        print(f"\ncrossed {base} (fragile seeds {c['fragile']}): warm start, stream, "
+              "held-out, step-0 mean |d| (nearer its start's or its stream's), the dip's step")
         for r in c["runs"]:
-            print(f"  {r['warm']:>2} {r['seed']:>2} {r['heldout']:.4f}{' fell' * r['fell']}")
+            print(f"  {r['warm']:>2} {r['seed']:>2} {r['heldout']:.4f} {fmt(r['step0_abs'], '.3e')}"
+                  f" ({r['step0_nearer']}) {r['dip_step']}{' fell' * r['fell']}")
+        print("  its own: " + ", ".join(f"{s} {r['heldout']:.4f} {fmt(r['step0_abs'], '.3e')} "
+                                        f"{r['dip_step']}" for s, r in c["own"].items()))
+        print(f"  step-0 mismatch nearer the start's: {c['step0_nearer_start'][0]} of "
+              f"{c['step0_nearer_start'][1]}")
         for g, (k, n) in c["groups"].items():
             print(f"  {g}: {k} of {n} fell")
         p = c["p_fisher_two_sided"]
@@ -207,7 +234,7 @@ def figure(out):
         warm = sorted({r["warm"] for r in c["runs"]})
         grid = np.full((len(warm), len(warm)), np.nan)
         cells = [(r["warm"], r["seed"], r["heldout"]) for r in c["runs"]]
-        cells += [(int(s), int(s), h) for s, h in c["own"].items()]  # the diagonal: the base
+        cells += [(int(s), int(s), r["heldout"]) for s, r in c["own"].items()]  # the base
         for w, s, h in cells:
             if w in warm and s in warm:
                 grid[warm.index(w), warm.index(s)] = h

@@ -34,15 +34,26 @@ def test_fishers_two_sided_p_and_spearmans_ranks_by_hand():
     assert rho == pytest.approx(1.0) and p < 0.03  # 2 of 120 orders as extreme: p ~ 1/60
 
 
+def rows(step0, dip=None):
+    """Three metrics rows: the step-0 mean |d|, the batch's reward below 0.5 at step `dip`."""
+    return [{"step": t, "mismatch_logp_abs_mean": step0, "reward_mean": 0.3 if t == dip else 0.9}
+            for t in range(3)]
+
+
 def test_the_crossing_reads_fragile_seeds_from_its_base_and_groups_the_crossed_runs():
     """The base fell on seed 5 alone: a start of 5 with stream 1 is 'fragile start, held stream',
-    a start of 1 with stream 5 the other group; a run of both fragile parts is in neither."""
+    a start of 1 with stream 5 the other group; a run of both fragile parts is in neither. Each
+    crossed run's step-0 mismatch is read against its start's own and its stream's own, in ratio
+    (4.5e-4 is nearer 5e-4 than 2e-4; 3e-4 is 1.5x 2e-4 but 1.67x below 5e-4)."""
     base = "bf16-trunc-site-rne6"
-    found = {base: [(s, [], {"heldout": h}) for s, h in ((1, 0.95), (5, 0.2))],
-             f"{base}-warm5": [(1, [], {"heldout": 0.1})],
-             f"{base}-warm1": [(5, [], {"heldout": 0.9})],
-             f"{base}-warm14": [(5, [], {"heldout": 0.3})]}
+    found = {base: [(1, rows(2e-4), {"heldout": 0.95}), (5, rows(5e-4, 1), {"heldout": 0.2})],
+             f"{base}-warm5": [(1, rows(4.5e-4, 2), {"heldout": 0.1})],
+             f"{base}-warm1": [(5, rows(3e-4), {"heldout": 0.9})],
+             f"{base}-warm14": [(5, rows(1e-4), {"heldout": 0.3})]}
     c = seedfalls.crossing(found)[base]
+    assert [(r["step0_nearer"], r["dip_step"]) for r in c["runs"]] == [
+        ("start", None), ("start", 2), (None, None)]  # no own run of seed 14: no reading
+    assert c["step0_nearer_start"] == [2, 2] and c["own"]["5"]["dip_step"] == 1
     assert c["fragile"] == [5]
     assert c["groups"] == {"fragile start, held stream": [1, 1],
                            "held start, fragile stream": [0, 1]}
