@@ -231,7 +231,7 @@ def figure(out):
         ax.text(i, -0.8, n, ha="center", fontsize=7)
     ax.set_title(f"falls by seed: spread p {out['cluster']['p']:.5f}", fontsize=9, pad=14)
     for ax, (base, c) in zip(axes[0][1:], crossed):
-        warm = sorted({r["warm"] for r in c["runs"]})
+        warm = sorted({r[k] for r in c["runs"] for k in ("warm", "seed")})  # rows and columns
         grid = np.full((len(warm), len(warm)), np.nan)
         cells = [(r["warm"], r["seed"], r["heldout"]) for r in c["runs"]]
         cells += [(int(s), int(s), r["heldout"]) for s, r in c["own"].items()]  # the base
