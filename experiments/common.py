@@ -117,3 +117,10 @@ def holm(ps):
         running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
         adjusted[i] = running
     return adjusted
+
+def hypergeometric(falls, n, group):
+    """Fisher's tables: `falls` of `n` runs fell, `group` of the runs form the first group.
+    ({x: the ways x of the falls land in the group}, comb(n, group) in all); exact integers."""
+    lo, hi = max(0, falls - (n - group)), min(falls, group)
+    ways = {x: math.comb(falls, x) * math.comb(n - falls, group - x) for x in range(lo, hi + 1)}
+    return ways, math.comb(n, group)

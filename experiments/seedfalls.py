@@ -36,7 +36,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from causal import FELL
-from common import fmt, holm, refuse
+from common import fmt, holm, hypergeometric, refuse
 from results import load_experiment, machine_title, parse_runs, runs_parser, save
 from variants import VARIANTS
 
@@ -88,14 +88,9 @@ def spearman(x, y, draws=DRAWS, seed=SEED):
 
 def fisher_two_sided(a, n_a, b, n_b):
     """Fisher's exact two-sided p for a falls of n_a against b of n_b: every table with the same
-    margins at most as likely as the observed one (hypergeometric; in integers, exact)."""
-    k, n = a + b, n_a + n_b
-
-    def ways(x):  # the tables with x falls in the first group, of comb(n, n_a)
-        return math.comb(k, x) * math.comb(n - k, n_a - x)
-
-    tables = [ways(x) for x in range(max(0, k - n_b), min(k, n_a) + 1)]
-    return sum(w for w in tables if w <= ways(a)) / math.comb(n, n_a)
+    margins at most as likely as the observed one (common.hypergeometric: exact)."""
+    ways, total = hypergeometric(a + b, n_a + n_b, n_a)
+    return sum(w for w in ways.values() if w <= ways[a]) / total
 
 def base_of(v):
     """The same record from its own seed's warm start: the crossed variant's base, or None."""

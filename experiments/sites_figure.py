@@ -40,14 +40,13 @@ CPU trainer's embedding backward summed as a GPU's, its control the same record 
 embed32.py). Page: experiments/sites.md.
 """
 import glob
-import math
 import os
 from dataclasses import replace
 
 import matplotlib.pyplot as plt
 
 from causal import FELL, growth_before_fall, print_contrasts
-from common import fmt, load_json, mean_se, refuse
+from common import fmt, hypergeometric, load_json, mean_se, refuse
 from plans import PLANS
 from results import (COLORS, holm_contrasts, load_experiment, machine_title, parse_runs,
                      runs_parser, save, with_variants)
@@ -114,8 +113,8 @@ def sign_of(v, own):
 
 def fisher_one_sided(falls, n, total_falls, total):
     """P(at most `falls` of `n` runs fall) when `total_falls` of `total` fell (hypergeometric)."""
-    return sum(math.comb(total_falls, k) * math.comb(total - total_falls, n - k)
-               for k in range(falls + 1)) / math.comb(total, n)
+    ways, all_tables = hypergeometric(total_falls, total, n)
+    return sum(w for x, w in ways.items() if x <= falls) / all_tables
 
 def overlap(cells, own=None):
     """Exploratory: one-signed against zero-mean runs where their step-0 sizes overlap."""
