@@ -36,3 +36,10 @@ def test_holm_multiplies_the_ith_smallest_and_keeps_the_order():
     rest capped at 1; each back in its own place."""
     assert common.holm([0.04, 0.01, 0.03, 0.5]) == pytest.approx([0.09, 0.04, 0.09, 0.5])
     assert common.holm([0.2, 0.3]) == pytest.approx([0.4, 0.4])
+
+
+def test_hypergeometric_tables_by_hand():
+    """2 falls among 5 runs: a group of 3 holds 0, 1 or 2 of them in C(2,x) C(3,3-x) ways, 1 + 6 + 3
+    of C(5,3) = 10; a group of 4 holds at least 1, in 2 + 3 of C(5,4) = 5 ways."""
+    assert common.hypergeometric(2, 5, 3) == ({0: 1, 1: 6, 2: 3}, 10)
+    assert common.hypergeometric(2, 5, 4) == ({1: 2, 2: 3}, 5)
