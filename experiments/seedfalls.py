@@ -27,7 +27,7 @@ runs of an arm, every variant run at all the given seeds:
         --out figures/seedfalls-intel-amx.png
 
 The figure: the table of falls (left), and the crossing's held-out accuracy by start and stream,
-the base's own runs on the diagonal (right). Page: experiments/seedfalls.md.
+the base's own runs on the diagonal (right). Pages: experiments/seedfalls.md, seedfalls-amd.md.
 """
 import math
 from dataclasses import replace
