@@ -120,7 +120,6 @@ def holm(ps):
 
 def hypergeometric(falls, n, group):
     """Fisher's tables: `falls` of `n` runs fell, `group` of the runs form the first group.
-    ({x: the ways x of the falls land in the group}, comb(n, group) in all); exact integers."""
+    {x: the ways x of the falls land in the group}, exact integers; they sum to comb(n, group)."""
     lo, hi = max(0, falls - (n - group)), min(falls, group)
-    ways = {x: math.comb(falls, x) * math.comb(n - falls, group - x) for x in range(lo, hi + 1)}
-    return ways, math.comb(n, group)
+    return {x: math.comb(falls, x) * math.comb(n - falls, group - x) for x in range(lo, hi + 1)}

@@ -89,8 +89,8 @@ def spearman(x, y, draws=DRAWS, seed=SEED):
 def fisher_two_sided(a, n_a, b, n_b):
     """Fisher's exact two-sided p for a falls of n_a against b of n_b: every table with the same
     margins at most as likely as the observed one (common.hypergeometric: exact)."""
-    ways, total = hypergeometric(a + b, n_a + n_b, n_a)
-    return sum(w for w in ways.values() if w <= ways[a]) / total
+    ways = hypergeometric(a + b, n_a + n_b, n_a)
+    return sum(w for w in ways.values() if w <= ways[a]) / sum(ways.values())
 
 def base_of(v):
     """The same record from its own seed's warm start: the crossed variant's base, or None."""

@@ -113,8 +113,8 @@ def sign_of(v, own):
 
 def fisher_one_sided(falls, n, total_falls, total):
     """P(at most `falls` of `n` runs fall) when `total_falls` of `total` fell (hypergeometric)."""
-    ways, all_tables = hypergeometric(total_falls, total, n)
-    return sum(w for x, w in ways.items() if x <= falls) / all_tables
+    ways = hypergeometric(total_falls, total, n)
+    return sum(w for x, w in ways.items() if x <= falls) / sum(ways.values())
 
 def overlap(cells, own=None):
     """Exploratory: one-signed against zero-mean runs where their step-0 sizes overlap."""

@@ -263,7 +263,7 @@ SITE_SWAPS = [add_swap(_before, f"{_before}-site-{_mode}", f"site-{_mode}", SWAP
 # another seed's warm start, the run's seed keeping the rest. Does a fall go with the start?
 # On the AMD EPYC (seedfalls-amd.md) seeds 0 and 14 fell in all six variants read at 16 seeds,
 # seeds 3, 11, 12 and 13 in at most one, rne6 on none of the four: the same crossing there.
-# Then sym, the other zero-mean rule (fell there on 0, 5, 7, 14), as a second base, half the size.
+# Then sym, the other zero-mean rule (fell there on 0, 5, 7, 14), as a second base: 8 runs.
 CROSS_WARM = {"rne6": (0, 1, 2, 3, 5, 14,  # AMX: 5, 14 the falls; 0-3 the first four held
                        11, 12, 13),  # AMD: 0, 14 the falls; 3, 11-13 the held
               "sym": (0, 3, 11, 14)}  # AMD
