@@ -23,6 +23,7 @@ rollout.start_engine. A campaign refuses a tree with uncommitted changes to trac
 unless --allow-dirty, which keeps the diff beside each run (diff.patch): a result names its
 code.
 """
+import contextlib
 import json
 import os
 import re
@@ -192,7 +193,11 @@ def train_run(argv, stop_after, variant, calibration=None):
         record["attention_weights"] = fused.install()
     if variant.warm_seed is not None:  # another seed's start; the task, the stream the run's
         record["warm_seed"] = variant.warm_seed
-        args.init = warm_init(args, variant.warm_seed)
+    if variant.init_seed is not None:  # the start's initial weights another seed's
+        record["init_seed"] = variant.init_seed
+    if variant.warm_seed is not None or variant.init_seed is not None:
+        start = args.seed if variant.warm_seed is None else variant.warm_seed
+        args.init = warm_init(args, start, variant.init_seed)
     if variant.rotary_torch:  # vLLM keeps its first engine's: one a process
         engine_options["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
         record["engine_custom_ops"] = ["-rotary_embedding"]
@@ -208,16 +213,40 @@ def train_run(argv, stop_after, variant, calibration=None):
     train_grpo.train(args, instruments=instruments, record=record,
                      until=record.get("stop_after"), engine_options=engine_options)
 
-def warm_init(args, seed):
+def warm_init(args, seed, init_seed=None):
     """The warm start a run of `seed` with these flags starts from (warm_start.py: trained
-    once, cached by all that sets it), for a run that keeps its own seed for the rest."""
+    once, cached by all that sets it), for a run that keeps its own seed for the rest; with
+    init_seed, that start trained from init_seed's initial weights (initial_weights_of)."""
     import warm_start
     from precision import get_precision
 
     cfg = warm_start.model_config(args.n_items, args.max_new_tokens, args.n_layer, args.n_head,
                                   args.n_embd)
     device = get_precision(args.dtype, args.engine_dtype, args.lm_head).device
-    return warm_start.warm_start(cfg, args.n_items, seed, device)
+    if init_seed is None:
+        return warm_start.warm_start(cfg, args.n_items, seed, device)
+    with initial_weights_of(init_seed, seed):
+        return warm_start.warm_start(cfg, args.n_items, seed, device)
+
+@contextlib.contextmanager
+def initial_weights_of(init_seed, seed):
+    """Inside it, warm_start.py trains seed's start from init_seed's initial weights: its
+    torch seed for the init (task.seed_of("init", seed)) answers init_seed's; every other draw
+    (splits, batches, noise) stays seed's. Its checkpoints apart, in WARMSTART_DIR/init<I>:
+    the cache's key names seed alone."""
+    import task
+    import warm_start
+
+    own, folder = task.seed_of, warm_start.WARMSTART_DIR
+
+    def seed_of(*parts):
+        return own("init", init_seed) if parts == ("init", seed) else own(*parts)
+
+    task.seed_of, warm_start.WARMSTART_DIR = seed_of, os.path.join(folder, f"init{init_seed}")
+    try:
+        yield
+    finally:
+        task.seed_of, warm_start.WARMSTART_DIR = own, folder
 
 def swap_step(out):
     """The update a swap run changed library at: as its args.json says
@@ -275,6 +304,9 @@ def refuse_unfit(variant, args):
     if variant.warm_seed is not None and "--init" in args.extra:  # two starts named
         refuse(f"--variant {variant.name}: it starts from seed {variant.warm_seed}'s warm start; "
                "drop --init")
+    if variant.init_seed is not None and "--init" in args.extra:
+        refuse(f"--variant {variant.name}: its warm start has seed {variant.init_seed}'s "
+               "initial weights; drop --init")
     if formats(args.extra) != formats(variant.flags):  # args.json would name another
         refuse(f"--variant {variant.name}: its flags are {' '.join(variant.flags)}, the "
                f"run's formats {formats(args.extra)}")

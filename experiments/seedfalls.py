@@ -21,13 +21,17 @@ runs of an arm, every variant run at all the given seeds:
    stream; each one's falls, and Fisher's exact two-sided p between them. Beside them, each
    crossed run's step-0 mean |d|, nearer (in ratio) its start's own run's or its stream's, and
    the step its batch's reward first fell below FELL (the dip), each seed's own run's beside.
+5. The split (init_seed records): a run of seed R whose warm start was trained from seed I's
+   initial weights on R's supervised batches. Read as the crossing, I in W's place: a fragile
+   init with held batches and stream, a held init with fragile ones.
 
     M=results/intel-xeon-processor-avx2-avx512f-avx512-bf16-avx512-fp16-amx-tile-amx-bf16
     python experiments/seedfalls.py $M --seeds 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 \
         --out figures/seedfalls-intel-amx.png
 
 The figure: the table of falls (left), and the crossing's held-out accuracy by start and stream,
-the base's own runs on the diagonal (right). Pages: experiments/seedfalls.md, seedfalls-amd.md.
+the base's own runs on the diagonal (right). Pages: experiments/seedfalls.md, seedfalls-amd.md,
+seedsplit-amd.md.
 """
 import math
 from dataclasses import replace
@@ -93,8 +97,9 @@ def fisher_two_sided(a, n_a, b, n_b):
     return sum(w for w in ways.values() if w <= ways[a]) / sum(ways.values())
 
 def base_of(v):
-    """The same record from its own seed's warm start: the crossed variant's base, or None."""
-    own = replace(VARIANTS[v], warm_seed=None).recorded()
+    """The same record from its own seed's warm start: a crossed or split variant's base, or
+    None."""
+    own = replace(VARIANTS[v], warm_seed=None, init_seed=None).recorded()
     return next((w for w, r in VARIANTS.items() if r.recorded() == own), None)
 
 def table(found, seeds):
@@ -102,7 +107,8 @@ def table(found, seeds):
     falls = {}
     for v, runs in found.items():
         held = {s: f["heldout"] for s, _, f in runs}
-        if VARIANTS[v].warm_seed is None and all(held.get(s) is not None for s in seeds):
+        own = VARIANTS[v].warm_seed is None and VARIANTS[v].init_seed is None
+        if own and all(held.get(s) is not None for s in seeds):
             falls[v] = [held[s] < FELL for s in seeds]
     return {v: falls[v] for v in VARIANTS if v in falls}  # the records' order
 
@@ -134,30 +140,37 @@ def nearer(x, start, stream):
         return None
     return "start" if abs(math.log(x / start)) < abs(math.log(x / stream)) else "stream"
 
-def crossing(found):
-    """The crossed runs, by base: each one's warm start, stream and reading (run_reading), the
-    base's own runs, its fragile seeds, the two groups' falls with Fisher's p, and how many
-    crossed runs' step-0 mismatch lies nearer their start's own than their stream's."""
+# The two crossings: a record's field, the key its runs are read by, and what that seed gives
+# the run against what the run's own seed keeps (the groups' names).
+CROSSINGS = {"crossing": ("warm_seed", "warm", "start", "stream"),
+             "split": ("init_seed", "init", "init", "batches and stream")}
+
+def crossing(found, kind="crossing"):
+    """The crossed (or split) runs, by base: each one's other seed (its warm start, or its
+    start's initial weights), stream and reading (run_reading), the base's own runs, its fragile
+    seeds, the two groups' falls with Fisher's p, and how many runs' step-0 mismatch lies nearer
+    the other seed's own run's than their own seed's."""
+    field, key, moved, kept = CROSSINGS[kind]
     out = {}
     for v, runs in found.items():
-        w = VARIANTS[v].warm_seed
+        w = getattr(VARIANTS[v], field)
         if w is None or (base := base_of(v)) not in found:
             continue
         out.setdefault(base, {"runs": []})["runs"] += [
-            {"warm": w, "seed": s, **run_reading(rows, f)} for s, rows, f in runs]
+            {key: w, "seed": s, **run_reading(rows, f)} for s, rows, f in runs]
     for base, c in out.items():
         own = {s: run_reading(rows, f) for s, rows, f in found[base]}
         fragile = {s for s, r in own.items() if r["fell"]}
         held = own.keys() - fragile
         c["own"], c["fragile"] = {str(s): r for s, r in sorted(own.items())}, sorted(fragile)
-        c["runs"].sort(key=lambda r: (r["warm"], r["seed"]))
+        c["runs"].sort(key=lambda r: (r[key], r["seed"]))
         for r in c["runs"]:
-            ends = (own.get(s, {}).get("step0_abs") for s in (r["warm"], r["seed"]))
+            ends = (own.get(s, {}).get("step0_abs") for s in (r[key], r["seed"]))
             r["step0_nearer"] = nearer(r["step0_abs"], *ends)
-        groups = {"fragile start, held stream": [r["fell"] for r in c["runs"]
-                                                 if r["warm"] in fragile and r["seed"] in held],
-                  "held start, fragile stream": [r["fell"] for r in c["runs"]
-                                                 if r["warm"] in held and r["seed"] in fragile]}
+        groups = {f"fragile {moved}, held {kept}": [
+                      r["fell"] for r in c["runs"] if r[key] in fragile and r["seed"] in held],
+                  f"held {moved}, fragile {kept}": [
+                      r["fell"] for r in c["runs"] if r[key] in held and r["seed"] in fragile]}
         c["groups"] = {g: [sum(f), len(f)] for g, f in groups.items()}
         (a, n_a), (b, n_b) = c["groups"].values()
         c["p_fisher_two_sided"] = fisher_two_sided(a, n_a, b, n_b) if n_a and n_b else None
@@ -179,7 +192,7 @@ def read(path, seeds, arm=ARM, control=CONTROL):
             "cluster": {"spread": s, "spread_null_mean": expected, "draws": DRAWS,
                         "draws_reaching": hits, "p": p},
             "covariates": covariates(found, seeds, counts, control),
-            "crossing": crossing(found)}
+            **{kind: crossing(found, kind) for kind in CROSSINGS}}
 
 def print_read(out):
     print(f"{out['arm']}: falls (held-out below {out['fell_below']}) by seed, "
@@ -197,21 +210,28 @@ def print_read(out):
             r = cov[key]
             print(f"{cov['control']}'s {key} against the falls by seed: Spearman "
                   f"{r['spearman']:+.3f}, p {r['p']:.4f}, Holm (2) {r['p_holm']:.4f}")
-    for base, c in out["crossing"].items():
-        print(f"\ncrossed {base} (fragile seeds {c['fragile']}): warm start, stream, "
-              "held-out, step-0 mean |d| (nearer its start's or its stream's), the dip's step")
-        for r in c["runs"]:
-            print(f"  {r['warm']:>2} {r['seed']:>2} {r['heldout']:.4f} {fmt(r['step0_abs'], '.3e')}"
-                  f" ({r['step0_nearer']}) {r['dip_step']}{' fell' * r['fell']}")
-        print("  its own: " + ", ".join(f"{s} {r['heldout']:.4f} {fmt(r['step0_abs'], '.3e')} "
-                                        f"{r['dip_step']}" for s, r in c["own"].items()))
-        print(f"  step-0 mismatch nearer the start's: {c['step0_nearer_start'][0]} of "
-              f"{c['step0_nearer_start'][1]}")
-        for g, (k, n) in c["groups"].items():
-            print(f"  {g}: {k} of {n} fell")
-        p = c["p_fisher_two_sided"]
-        print(f"  Fisher's exact two-sided p {'-' if p is None else format(p, '.4f')}")
+    for kind, (_, key, moved, kept) in CROSSINGS.items():
+        for base, c in out[kind].items():
+            print_crossing(base, c, key, moved, kept)
     print(f"\n{out['machine']}")
+
+def print_crossing(base, c, key, moved, kept):
+    """One base's crossed (or split) runs: the other seed, the run's seed, held-out, step-0
+    mean |d| (nearer which seed's own run's: "start" the other's), the dip's step."""
+    print(f"\n{base}, its {moved} from another seed (fragile seeds {c['fragile']}): the {moved}'s "
+          f"seed, the {kept}'s, held-out, step-0 mean |d| (nearer the {moved}'s own run's: "
+          "start, or the stream's), the dip's step")
+    for r in c["runs"]:
+        print(f"  {r[key]:>2} {r['seed']:>2} {r['heldout']:.4f} {fmt(r['step0_abs'], '.3e')}"
+              f" ({r['step0_nearer']}) {r['dip_step']}{' fell' * r['fell']}")
+    print("  its own: " + ", ".join(f"{s} {r['heldout']:.4f} {fmt(r['step0_abs'], '.3e')} "
+                                    f"{r['dip_step']}" for s, r in c["own"].items()))
+    print(f"  step-0 mismatch nearer the {moved}'s: {c['step0_nearer_start'][0]} of "
+          f"{c['step0_nearer_start'][1]}")
+    for g, (k, n) in c["groups"].items():
+        print(f"  {g}: {k} of {n} fell")
+    p = c["p_fisher_two_sided"]
+    print(f"  Fisher's exact two-sided p {'-' if p is None else format(p, '.4f')}")
 
 def figure(out):
     crossed = list(out["crossing"].items())[:1]

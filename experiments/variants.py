@@ -27,6 +27,8 @@ chips that can run it. A record's fields say everything about it; no code reads 
                    the dtype, as a fused kernel's (fused.py)
     warm_seed      starts from this seed's warm start; the     warm_seed, init
                    task and the RL stream stay the run's
+    init_seed      its warm start's initial weights from this  init_seed, init
+                   seed; its supervised batches the start's
     needs          the ISA flags a chip must have             (plans.plan_runs drops it elsewhere)
     lacks          the ISA flags a chip must not have         (the same)
     probed         mismatch.py --quick reads its policy       (in PROBED arms)
@@ -74,6 +76,7 @@ class Variant:
     embed_grad: str = "dtype"  # EMBED_GRAD
     attention_weights: str = "float32"  # ATTENTION_WEIGHTS
     warm_seed: int = None  # None: the run's own seed's warm start
+    init_seed: int = None  # None: the warm start's seed's initial weights
     color: str = None  # matplotlib's; None: the figure's default cycle
     needs: tuple = ()  # ISA flags (instruments.machine's cpu_isa)
     lacks: tuple = ()
@@ -85,7 +88,7 @@ class Variant:
         loaded = self.library or ("_C" if self.hide_amx else None)  # rounding.load's answer
         return (*formats(self.flags), loaded, self.hide_amx, self.rotary_torch, self.dial,
                 self.swap, self.site_rounding, self.embed_grad, self.attention_weights,
-                self.warm_seed)
+                self.warm_seed, self.init_seed)
 
 def formats(flags):
     """The dtypes and kernels a list of train_grpo.py flags sets, its defaults where absent."""
@@ -272,6 +275,15 @@ for _mode, _seeds in CROSS_WARM.items():
         add(Variant(f"bf16-trunc-site-{_mode}-warm{_w}", BF16, library=TRUNCATING,
                     site_rounding=_mode, warm_seed=_w, needs=("avx512_bf16",)))
 
+# The start split (seedsplit-amd.md): on the AMD EPYC a fall went with the warm start, not the
+# stream. A start is two draws of its seed: its initial weights and its supervised batches (with
+# their noise). These keep the run's seed for all but the initial weights, drawn from another's.
+SPLIT_INIT = {"rne6": (0, 14, 3, 11, 12, 13)}  # AMD: 0, 14 the fragile; 3, 11-13 the held
+for _mode, _seeds in SPLIT_INIT.items():
+    for _i in _seeds:
+        add(Variant(f"bf16-trunc-site-{_mode}-init{_i}", BF16, library=TRUNCATING,
+                    site_rounding=_mode, init_seed=_i, needs=("avx512_bf16",)))
+
 def parse_run(name):
     """(arm, variant, seed) of a run folder's name, or None where it is not ARM-VARIANT-sSEED
     of a known arm and variant (the longest arm first: grpo-len20 before grpo)."""
@@ -289,7 +301,8 @@ def variant_of(args):
             args.get("trainer_kernels", "torch"), args.get("kernel_library"),
             bool(args.get("amx_hidden")), bool(args.get("engine_custom_ops")), dial, swap,
             args.get("site_rounding", "rne"), args.get("embed_grad", "dtype"),
-            args.get("attention_weights", "float32"), args.get("warm_seed"))
+            args.get("attention_weights", "float32"), args.get("warm_seed"),
+            args.get("init_seed"))
     return next((v for v in VARIANTS.values() if v.recorded() == seen), None)
 
 def runs_on(v, isa):

@@ -7,6 +7,7 @@ import torch
 
 import campaign
 import seedfalls
+import task
 import variants
 import warm_start
 from conftest import tiny_args
@@ -76,3 +77,31 @@ def test_a_crossed_run_starts_from_the_other_seeds_warm_start(tmp_path, monkeypa
     assert any(not torch.equal(a[k], b[k]) for k in a)
     crossed = [v for v in variants.VARIANTS.values() if v.warm_seed is not None]
     assert crossed and all(seedfalls.base_of(v.name) for v in crossed)
+
+
+def test_a_split_start_moves_the_initial_weights_alone(tmp_path, monkeypatch):
+    """campaign.initial_weights_of: before any supervised step, seed 1's start from seed 0's
+    initial weights is seed 0's init to the bit, not seed 1's; after two steps, from its own
+    seed's, it is seed 1's start to the bit (the patch moves the init and nothing else), and
+    task.seed_of is restored. The split records name their base's record but the init."""
+    monkeypatch.setattr(warm_start, "WARMSTART_DIR", str(tmp_path / "warm"))
+    args = tiny_args(str(tmp_path), "--seed", "1")
+    cfg, original = warm_start.model_config(args.n_items, args.max_new_tokens), task.seed_of
+
+    def weights(folder):
+        return load_hf(folder, "cpu").state_dict()
+
+    def same(a, b):
+        return all(torch.equal(a[k], b[k]) for k in a)
+
+    for steps in (0, 2):
+        monkeypatch.setattr(warm_start, "SFT_STEPS", steps)
+        own = [weights(warm_start.warm_start(cfg, args.n_items, s, "cpu")) for s in (0, 1)]
+        split = [weights(campaign.warm_init(args, 1, i)) for i in (0, 1)]
+        if steps == 0:
+            assert same(split[0], own[0]) and not same(split[0], own[1])
+        else:
+            assert same(split[1], own[1]) and not same(split[0], own[0])
+    assert task.seed_of is original
+    split = [v for v in variants.VARIANTS.values() if v.init_seed is not None]
+    assert split and all(seedfalls.base_of(v.name) for v in split)
