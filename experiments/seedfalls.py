@@ -29,9 +29,9 @@ runs of an arm, every variant run at all the given seeds:
     python experiments/seedfalls.py $M --seeds 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 \
         --out figures/seedfalls-intel-amx.png
 
-The figure: the table of falls (left), and the crossing's held-out accuracy by start and stream,
-the base's own runs on the diagonal (right). Pages: experiments/seedfalls.md, seedfalls-amd.md,
-seedsplit-amd.md.
+The figure: the table of falls (left), then the first crossed base's held-out by start and
+stream, and the first split base's by init and seed, the base's own runs on the diagonal.
+Pages: experiments/seedfalls.md, seedfalls-amd.md, seedsplit-amd.md.
 """
 import math
 from dataclasses import replace
@@ -234,8 +234,8 @@ def print_crossing(base, c, key, moved, kept):
     print(f"  Fisher's exact two-sided p {'-' if p is None else format(p, '.4f')}")
 
 def figure(out):
-    crossed = list(out["crossing"].items())[:1]
-    fig, axes = plt.subplots(1, 1 + len(crossed), figsize=(12 if crossed else 7, 5.5),
+    crossed = [(kind, base, c) for kind in CROSSINGS for base, c in list(out[kind].items())[:1]]
+    fig, axes = plt.subplots(1, 1 + len(crossed), figsize=(7 + 5 * len(crossed), 5.5),
                              squeeze=False)
     ax, names = axes[0][0], list(out["falls"])
     ax.imshow(np.array(list(out["falls"].values())), cmap="Greys", vmin=0, vmax=1.6)
@@ -245,24 +245,29 @@ def figure(out):
     for i, n in enumerate(out["falls_by_seed"]):
         ax.text(i, -0.8, n, ha="center", fontsize=7)
     ax.set_title(f"falls by seed: spread p {out['cluster']['p']:.5f}", fontsize=9, pad=14)
-    for ax, (base, c) in zip(axes[0][1:], crossed):
-        warm = sorted({r[k] for r in c["runs"] for k in ("warm", "seed")})  # rows and columns
-        grid = np.full((len(warm), len(warm)), np.nan)
-        cells = [(r["warm"], r["seed"], r["heldout"]) for r in c["runs"]]
-        cells += [(int(s), int(s), r["heldout"]) for s, r in c["own"].items()]  # the base
-        for w, s, h in cells:
-            if w in warm and s in warm:
-                grid[warm.index(w), warm.index(s)] = h
-                ax.text(warm.index(s), warm.index(w), f"{h:.2f}", ha="center", va="center",
-                        fontsize=7, color="w" if h < FELL else "k")
-        ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1)
-        ax.set_xticks(range(len(warm)), warm)
-        ax.set_yticks(range(len(warm)), warm)
-        ax.set_xlabel("the RL stream's seed")
-        ax.set_ylabel("the warm start's seed")
-        ax.set_title(f"{base}, crossed: held-out", fontsize=9)
+    for ax, (kind, base, c) in zip(axes[0][1:], crossed):
+        grid_panel(ax, base, c, *CROSSINGS[kind][1:])
     machine_title(fig, out["machine"])
     return fig
+
+def grid_panel(ax, base, c, key, moved, kept):
+    """One base's crossed (or split) runs' held-out by the other seed (rows) and the run's
+    seed (columns), the base's own runs on the diagonal."""
+    seeds = sorted({r[k] for r in c["runs"] for k in (key, "seed")})  # rows and columns
+    grid = np.full((len(seeds), len(seeds)), np.nan)
+    cells = [(r[key], r["seed"], r["heldout"]) for r in c["runs"]]
+    cells += [(int(s), int(s), r["heldout"]) for s, r in c["own"].items()]  # the base
+    for w, s, h in cells:
+        if w in seeds and s in seeds:
+            grid[seeds.index(w), seeds.index(s)] = h
+            ax.text(seeds.index(s), seeds.index(w), f"{h:.2f}", ha="center", va="center",
+                    fontsize=7, color="w" if h < FELL else "k")
+    ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1)
+    ax.set_xticks(range(len(seeds)), seeds)
+    ax.set_yticks(range(len(seeds)), seeds)
+    ax.set_xlabel(f"the {kept}'s seed (the run's)")
+    ax.set_ylabel(f"the {moved}'s seed")
+    ax.set_title(f"{base}, its {moved} from another seed: held-out", fontsize=9)
 
 def main(argv=None):
     p = runs_parser("do GSPO's falls go with the seed, its start or its stream? (docstring)")
