@@ -1,5 +1,6 @@
 """experiments/seedfalls.py's statistics by hand, its crossing's groups from a base's falls, and
-campaign.py's crossed start: another seed's warm start."""
+campaign.py's crossed start (another seed's warm start) and split start (another seed's initial
+weights)."""
 import math
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 import campaign
 import seedfalls
+import sites
 import task
 import variants
 import warm_start
@@ -105,3 +107,22 @@ def test_a_split_start_moves_the_initial_weights_alone(tmp_path, monkeypatch):
     assert task.seed_of is original
     split = [v for v in variants.VARIANTS.values() if v.init_seed is not None]
     assert split and all(seedfalls.base_of(v.name) for v in split)
+
+
+def test_the_sites_rounding_leaves_a_warm_starts_training_alone(tmp_path, monkeypatch):
+    """A split start is trained inside its run, after sites.install: the warm start's matmuls run
+    unstrict, where no mode rounds, so two supervised steps with rne6 installed give the plain
+    recipe's weights to the bit."""
+    monkeypatch.setattr(warm_start, "SFT_STEPS", 2)
+    args = tiny_args(str(tmp_path))
+    cfg = warm_start.model_config(args.n_items, args.max_new_tokens)
+    starts = []
+    for mode in (None, "rne6"):
+        monkeypatch.setattr(warm_start, "WARMSTART_DIR", str(tmp_path / str(mode)))
+        sites.use(mode)
+        try:
+            starts.append(load_hf(warm_start.warm_start(cfg, args.n_items, 0, "cpu"), "cpu"))
+        finally:
+            sites.use(None)
+    plain, rounded = (m.state_dict() for m in starts)
+    assert all(torch.equal(plain[k], rounded[k]) for k in plain)
