@@ -223,9 +223,8 @@ def warm_init(args, seed, init_seed=None):
     cfg = warm_start.model_config(args.n_items, args.max_new_tokens, args.n_layer, args.n_head,
                                   args.n_embd)
     device = get_precision(args.dtype, args.engine_dtype, args.lm_head).device
-    if init_seed is None:
-        return warm_start.warm_start(cfg, args.n_items, seed, device)
-    with initial_weights_of(init_seed, seed):
+    split = contextlib.nullcontext() if init_seed is None else initial_weights_of(init_seed, seed)
+    with split:
         return warm_start.warm_start(cfg, args.n_items, seed, device)
 
 @contextlib.contextmanager
