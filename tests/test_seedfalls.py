@@ -66,6 +66,16 @@ def test_the_crossing_reads_fragile_seeds_from_its_base_and_groups_the_crossed_r
     assert seedfalls.base_of(f"{base}-warm14") == base
 
 
+def weights(folder):
+    """A checkpoint's state dict."""
+    return load_hf(folder, "cpu").state_dict()
+
+
+def same(a, b):
+    """Two state dicts equal to the bit."""
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_crossed_run_starts_from_the_other_seeds_warm_start(tmp_path, monkeypatch):
     """campaign.warm_init: seed 1's warm start (trained once, cached), whose weights are not
     seed 0's; the crossed records name their base's record but the start. (Two SFT steps: the
@@ -75,8 +85,7 @@ def test_a_crossed_run_starts_from_the_other_seeds_warm_start(tmp_path, monkeypa
     cfg = warm_start.model_config(args.n_items, args.max_new_tokens)
     own, other = warm_start.warm_start(cfg, args.n_items, 0, "cpu"), campaign.warm_init(args, 1)
     assert other == warm_start.warm_start(cfg, args.n_items, 1, "cpu") != own
-    a, b = load_hf(own, "cpu").state_dict(), load_hf(other, "cpu").state_dict()
-    assert any(not torch.equal(a[k], b[k]) for k in a)
+    assert not same(weights(own), weights(other))
     crossed = [v for v in variants.VARIANTS.values() if v.warm_seed is not None]
     assert crossed and all(seedfalls.base_of(v.name) for v in crossed)
 
@@ -89,13 +98,6 @@ def test_a_split_start_moves_the_initial_weights_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(warm_start, "WARMSTART_DIR", str(tmp_path / "warm"))
     args = tiny_args(str(tmp_path), "--seed", "1")
     cfg, original = warm_start.model_config(args.n_items, args.max_new_tokens), task.seed_of
-
-    def weights(folder):
-        return load_hf(folder, "cpu").state_dict()
-
-    def same(a, b):
-        return all(torch.equal(a[k], b[k]) for k in a)
-
     for steps in (0, 2):
         monkeypatch.setattr(warm_start, "SFT_STEPS", steps)
         own = [weights(warm_start.warm_start(cfg, args.n_items, s, "cpu")) for s in (0, 1)]
@@ -121,8 +123,7 @@ def test_the_sites_rounding_leaves_a_warm_starts_training_alone(tmp_path, monkey
         monkeypatch.setattr(warm_start, "WARMSTART_DIR", str(tmp_path / str(mode)))
         sites.use(mode)
         try:
-            starts.append(load_hf(warm_start.warm_start(cfg, args.n_items, 0, "cpu"), "cpu"))
+            starts.append(weights(warm_start.warm_start(cfg, args.n_items, 0, "cpu")))
         finally:
             sites.use(None)
-    plain, rounded = (m.state_dict() for m in starts)
-    assert all(torch.equal(plain[k], rounded[k]) for k in plain)
+    assert same(*starts)
