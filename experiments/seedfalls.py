@@ -23,7 +23,8 @@ runs of an arm, every variant run at all the given seeds:
    the step its batch's reward first fell below FELL (the dip), each seed's own run's beside.
 5. The split (init_seed records): a run of seed R whose warm start was trained from seed I's
    initial weights on R's supervised batches. Read as the crossing, I in W's place: a fragile
-   init with held batches and stream, a held init with fragile ones.
+   init with held batches and stream, a held init with fragile ones. Where two or more bases ran
+   the same split starts: do their falls cluster by start (2.'s test, starts in the seeds' place)?
 
     M=results/intel-xeon-processor-avx2-avx512f-avx512-bf16-avx512-fp16-amx-tile-amx-bf16
     python experiments/seedfalls.py $M --seeds 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 \
@@ -178,6 +179,21 @@ def crossing(found, kind="crossing"):
         c["step0_nearer_start"] = [near.count("start"), len(near)]
     return out
 
+def split_cluster(split):
+    """Do the split starts' falls cluster by start, across the bases? Each start (init, seed)
+    that every split base ran, a row; each base, a column; the spread test of the seeds' table
+    (cluster_p) over it. None with fewer than two bases."""
+    if len(split) < 2:
+        return None
+    fell = {b: {(r["init"], r["seed"]): r["fell"] for r in c["runs"]} for b, c in split.items()}
+    starts = sorted(set.intersection(*(set(f) for f in fell.values())))
+    matrix = np.array([[fell[b][k] for b in split] for k in starts], dtype=bool)
+    s, expected, hits, p = cluster_p(matrix)
+    return {"bases": list(split), "starts": [list(k) for k in starts],
+            "falls_by_start": [int(c) for c in matrix.sum(1)],
+            "falls_by_base": [int(c) for c in matrix.sum(0)], "spread": s,
+            "spread_null_mean": expected, "draws": DRAWS, "draws_reaching": hits, "p": p}
+
 def read(path, seeds, arm=ARM, control=CONTROL):
     runs, where = load_experiment(path, None, [arm], dial=False)
     found = runs.get(arm, {})
@@ -192,7 +208,8 @@ def read(path, seeds, arm=ARM, control=CONTROL):
             "cluster": {"spread": s, "spread_null_mean": expected, "draws": DRAWS,
                         "draws_reaching": hits, "p": p},
             "covariates": covariates(found, seeds, counts, control),
-            **{kind: crossing(found, kind) for kind in CROSSINGS}}
+            **(crossed := {kind: crossing(found, kind) for kind in CROSSINGS}),
+            "split_cluster": split_cluster(crossed["split"])}
 
 def print_read(out):
     print(f"{out['arm']}: falls (held-out below {out['fell_below']}) by seed, "
@@ -213,6 +230,11 @@ def print_read(out):
     for kind, (_, key, moved, kept) in CROSSINGS.items():
         for base, c in out[kind].items():
             print_crossing(base, c, key, moved, kept)
+    if c := out["split_cluster"]:
+        print(f"\nthe split starts' falls by start ({len(c['starts'])} starts that "
+              f"{', '.join(c['bases'])} all ran; falls by base {c['falls_by_base']}): "
+              f"{c['falls_by_start']}; spread {c['spread']} against {c['spread_null_mean']:.1f} "
+              f"by chance, {c['draws_reaching']} of {c['draws']} draws reach it: p {c['p']:.5f}")
     print(f"\n{out['machine']}")
 
 def print_crossing(base, c, key, moved, kept):

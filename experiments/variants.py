@@ -278,9 +278,11 @@ for _mode, _seeds in CROSS_WARM.items():
 # The start split (seedsplit-amd.md): on the AMD EPYC a fall went with the warm start, not the
 # stream. A start is two draws of its seed: its initial weights and its supervised batches (with
 # their noise). These keep the run's seed for all but the initial weights, drawn from another's.
-# Then sym on the same sixteen starts: does a split start that fell under rne6 fall under sym?
+# Then sym and nudge on the same sixteen starts: does a split start that fell under rne6 fall
+# under the others? Do the split starts' falls cluster by start, as the seeds' own do?
 SPLIT_INIT = {"rne6": (0, 14, 3, 11, 12, 13),  # AMD: 0, 14 the fragile; 3, 11-13 the held
-              "sym": (0, 14, 3, 11, 12, 13)}  # sym held on 3, 11-13 too
+              "sym": (0, 14, 3, 11, 12, 13),  # sym held on 3, 11-13 too
+              "nudge": (0, 14, 3, 11, 12, 13)}  # nudge fell on 0, 14 and held on 3, 11-13
 for _mode, _seeds in SPLIT_INIT.items():
     for _i in _seeds:
         add(Variant(f"bf16-trunc-site-{_mode}-init{_i}", BF16, library=TRUNCATING,

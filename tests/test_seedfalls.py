@@ -127,3 +127,17 @@ def test_the_sites_rounding_leaves_a_warm_starts_training_alone(tmp_path, monkey
         finally:
             sites.use(None)
     assert same(*starts)
+
+
+def test_the_split_starts_cluster_test_reads_the_starts_every_base_ran():
+    """Two bases, one fall each, on the same start: the starts both ran (not init 14's, which
+    one base lacks) form the table; spread 2^2 + 0 = 4, reached by chance when both falls land
+    on one of the two starts: p near 1/2."""
+    a = [{"init": 0, "seed": 3, "fell": True}, {"init": 3, "seed": 0, "fell": False},
+         {"init": 14, "seed": 3, "fell": False}]
+    b = [{"init": 3, "seed": 0, "fell": False}, {"init": 0, "seed": 3, "fell": True}]
+    c = seedfalls.split_cluster({"a": {"runs": a}, "b": {"runs": b}})
+    assert c["starts"] == [[0, 3], [3, 0]] and c["falls_by_start"] == [2, 0]
+    assert c["falls_by_base"] == [1, 1] and c["spread"] == 4
+    assert abs(c["p"] - 0.5) < 0.01
+    assert seedfalls.split_cluster({"a": {"runs": a}}) is None  # one base: nothing to cluster
