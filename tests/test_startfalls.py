@@ -57,3 +57,15 @@ def test_the_distinct_starts_are_the_bases_own_at_the_seeds_and_its_split_runs()
     assert [(r["init"], r["seed"], r["own"], r["fell"]) for r in got] == [
         (0, 0, True, True), (3, 3, True, False), (14, 3, False, True)]
     assert [r["least_sure"] for r in got] == pytest.approx([0.01, 0.02, 0.04])
+
+
+def test_a_later_step_reads_that_row_and_the_mismatchs_growth_since_step_0():
+    """At step 1 the readings are row 1's, the sixth the growth of mean |d| since step 0 (3x);
+    a run whose batch reward dipped below 0.5 at step 1 counts as dipped by then."""
+    base = "bf16-trunc-site-rne6"
+    first, later = row(0.01), {**row(0.03), "mismatch_logp_abs_mean": 9e-4}
+    rows = [{**first, "step": 0}, {**later, "step": 1, "reward_mean": 0.2}]
+    got = startfalls.starts({base: [(0, rows, {"heldout": 0.1})]}, base, [0], step=1)
+    assert got[0]["least_sure"] == pytest.approx(0.03)
+    assert got[0]["mismatch_growth"] == pytest.approx(3.0) and got[0]["dip_step"] == 1
+    assert "eval_accuracy_before" not in got[0]
