@@ -168,7 +168,7 @@ def main(argv=None):
         refuse(f"--base {args.base}: no such variant (variants.py)")
     if not args.seeds or len(set(args.seeds)) != len(args.seeds):
         refuse("--seeds: give the seeds of the base's own runs, each once")
-    out = read(args.path, args.base, args.seeds, args.arm)
+    out = read(args.path, args.base, args.seeds, args.arm, args.step)
     print_read(out)
     save(figure(out), args.out, out)
 
