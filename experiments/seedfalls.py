@@ -177,7 +177,7 @@ def crossing(found, kind="crossing"):
         c["p_fisher_two_sided"] = fisher_two_sided(a, n_a, b, n_b) if n_a and n_b else None
         near = [r["step0_nearer"] for r in c["runs"] if r["step0_nearer"]]
         c["step0_nearer_start"] = [near.count("start"), len(near)]
-    return out
+    return {b: out[b] for b in VARIANTS if b in out}  # the records' order, as the figure's
 
 def split_cluster(split):
     """Do the split starts' falls cluster by start, across the bases? Each start (init, seed)
