@@ -16,6 +16,8 @@ cast's: the gradient cast back to float32, unchanged):
     nudge8      to nearest, pushed 1/8 ulp either way by hash    0                 17/64 ulp
     nudge16     to nearest, pushed 1/16 ulp either way by hash   0                 65/256 ulp
     nudge3of16  to nearest, pushed 3/16 ulp either way by hash   0                 73/256 ulp
+    truncpm     toward zero, then 1 ulp up or down by hash       -1/2 ulp (size)   1 ulp
+    truncpm2    toward zero, then 2 ulp up or down by hash       -1/2 ulp (size)   2 ulp
 
 and modes that leave the two sites at rne and round elsewhere, where the engine's linears round
 to nearest too (AT_MATMULS): nudge-matmuls, nudge's rule at the output of every matmul of the
@@ -35,6 +37,9 @@ within 1/4 ulp of a tie, pushed across it by the coin), so 1.25x rne's error: th
 drawn again at about its own error size. A push of p ulp moves a share p of the values and adds
 p^2 ulp to the mean |error|: its doses, nudge8 and nudge16, move 1/8 and 1/16 of them at 1.06x
 and 1.016x rne's error (nudgedose.md), nudge3of16 3/16 of them at 1.14x (nudgedose316.md).
+truncpm and truncpm2 keep truncation's one-signed error and add a zero-mean step: against a
+truncating engine, the cheap fix's sign with a larger mismatch (truncpm-amd.md). Zero, the
+smallest steps and infinities do not move (no step crosses zero or into NaN).
 
     python experiments/campaign.py --arms gspo-engine --variants bf16-site-trunc --seeds 0 1
 
@@ -68,20 +73,22 @@ import common  # first: it puts the core (model.py, precision.py) on the path
 import model
 import precision
 import rounding
-from variants import AT_MATMULS, NUDGE_PUSH, SITE_MODES, SITE_ROUNDING as MODES
+from variants import AT_MATMULS, NUDGE_PUSH, SITE_MODES, SITE_ROUNDING as MODES, TRUNC_STEP
 
 LOW = 0xFFFF  # the 16 bits a bf16 drops from a float32
 KEPT = {"rne6": 6, "rne5": 5}  # the to-nearest modes' kept mantissa bits (a bf16 keeps 7)
 HASH = 0x9E3779B1  # Knuth's multiplicative hash: the coin, a function of the value alone
 # the push in the 16 dropped bits, whose range is one ulp (a quarter: 0x4000), exact for these
 NUDGE = {mode: int(push * (LOW + 1)) for mode, push in NUDGE_PUSH.items()}
+STEP = {mode: step * (LOW + 1) for mode, step in TRUNC_STEP.items()}  # truncpm's, in the pattern
+EXPONENT = 0x7F800000  # an all-ones exponent: infinity or NaN
 RULES = tuple(m for m in MODES if m not in AT_MATMULS)  # round_to_bf16's; the rest are places
 LAYER_MODES = ("rne", *SITE_MODES, "rne5")  # --layers' modes unless --modes: its readings'
 ACTIVE = []  # the mode while the 16-bit trainer runs (SiteRounding); empty: rne everywhere
 HEADS = []  # the LM head's weight while a GPT's forward runs (marked_forward)
 
 def coin(bits):
-    """sym's and nudge's coin: the top bit of the pattern times HASH, half of values each way."""
+    """sym's, nudge's and truncpm's coin: the top bit of the pattern times HASH, half each way."""
     return (((bits * HASH) & 0xFFFFFFFF) >> 31) == 1
 
 def to_nearest(bits, drop):
@@ -100,6 +107,10 @@ def round_bits(x, mode):
     elif mode in NUDGE:  # +-the push, then to nearest, ties to even: still a bf16 neighbour
         push = NUDGE[mode]
         bits = to_nearest(bits + torch.where(coin(bits), push, -push), 16)
+    elif mode in STEP:  # toward zero, then the step up or down in size by the coin
+        step, size = STEP[mode], bits & ~LOW & 0x7FFFFFFF
+        moves = (size >= step) & (size < EXPONENT)  # never across zero, never off infinity
+        bits = (bits & ~LOW) + moves * torch.where(coin(bits), step, -step)
     elif mode in ("away", "sym"):  # up one bf16 step wherever a low bit is set; sym: half
         up = (bits & LOW) != 0
         if mode == "sym":

@@ -171,6 +171,9 @@ LIBRARY_SWAPS = [add_swap(_before, _after, _short, _step, _suffix)
 SITE_MODES = ("trunc", "away", "rne6", "sym")  # plan sites' four, one mean |error| at the op
 # nudge's pushes, in ulp: rne's rule with the value pushed that far either way first (sites.py)
 NUDGE_PUSH = {"nudge": 1 / 4, "nudge8": 1 / 8, "nudge16": 1 / 16, "nudge3of16": 3 / 16}
+# truncpm's steps, in ulp: truncation's rule, then that far up or down in size by the coin, so
+# truncation's one-signed error kept and a zero-mean one added against a truncating engine
+TRUNC_STEP = {"truncpm": 1, "truncpm2": 2}
 # Modes that leave the two sites at rne and round the trainer's matmul outputs by a rule instead,
 # where the engine rounds to nearest too: mode -> (the rule, where: "every" matmul but the
 # attention's, the blocks' linears and the LM head, the "head" alone, or the "blocks'" linears
@@ -178,7 +181,7 @@ NUDGE_PUSH = {"nudge": 1 / 4, "nudge8": 1 / 8, "nudge16": 1 / 16, "nudge3of16": 
 # before them; at the blocks alone, everything before the head, the head rounding to nearest.
 AT_MATMULS = {"nudge-matmuls": ("nudge", "every"), "nudge-head": ("nudge", "head"),
               "sym-head": ("sym", "head"), "nudge-blocks": ("nudge", "blocks")}
-SITE_ROUNDING = ("rne", *SITE_MODES, "rne5", *NUDGE_PUSH, *AT_MATMULS)  # sites.py's
+SITE_ROUNDING = ("rne", *SITE_MODES, "rne5", *NUDGE_PUSH, *TRUNC_STEP, *AT_MATMULS)  # sites'
 SITE_COLORS = {"trunc": "chocolate", "away": "darkmagenta", "rne6": "mediumseagreen",
                "sym": "steelblue"}  # apart from bf16's red, which they are read against
 for _mode in SITE_MODES:
@@ -208,6 +211,12 @@ add(Variant("bf16-site-rne5", BF16, site_rounding="rne5", lacks=("amx_tile",),
 for _mode, _color in (("trunc", "teal"), ("rne6", "navy"), ("sym", "cadetblue"),
                       ("nudge", "darkkhaki"), ("nudge8", "darkorange"), ("nudge16", "goldenrod"),
                       ("nudge3of16", "peru")):
+    add(Variant(f"bf16-trunc-site-{_mode}", BF16, library=TRUNCATING, site_rounding=_mode,
+                needs=("avx512_bf16",), color=_color))
+# The cheap fix's sign kept, its size undone (truncpm-amd.md): the trainer truncating like its
+# engine, then a step of 1 or 2 ulp up or down by the coin, zero-mean against the engine's
+# truncation. Does the cheap fix hold by the sign it matches or by the mismatch it shrinks?
+for _mode, _color in (("truncpm", "lightseagreen"), ("truncpm2", "darkturquoise")):
     add(Variant(f"bf16-trunc-site-{_mode}", BF16, library=TRUNCATING, site_rounding=_mode,
                 needs=("avx512_bf16",), color=_color))
 # nudge's rule at the trainer's matmul outputs, the two sites left at rne (matmulnudge.md): does

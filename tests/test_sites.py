@@ -80,6 +80,32 @@ def test_each_modes_error_has_the_tables_mean_and_mean_abs():
 
 
 
+def test_truncpm_keeps_truncations_error_and_adds_a_zero_mean_step():
+    """truncpm: truncation's bf16, then 1 ulp up or down in size by the coin (truncpm2: 2 ulp), so
+    against a truncating engine's op on the same input a zero-mean step, half each way, and
+    against exact values truncation's mean, -1/2 ulp in size, at 1 and 2 ulp of mean |error|
+    (a step down from a power of two is shorter: 0.02 of slack). Zero, the smallest values and
+    infinities stay truncation's."""
+    down = 1 - 2 ** -8  # bf16's value before 1
+    x = torch.tensor([X, -X])  # truncates to 1: then 1 + 2^-7 or 1 - 2^-8, by the coin
+    assert all(v in (UP, down) for v in sites.round_to_bf16(x, "truncpm").float().abs().tolist())
+    edge = torch.tensor([0.0, -0.0, 1e-45, float("inf"), -float("inf")])
+    for mode in ("truncpm", "truncpm2"):
+        assert torch.equal(sites.round_to_bf16(edge, mode), sites.round_to_bf16(edge, "trunc"))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10 ** 6, generator=g) * torch.exp(2 * torch.randn(10 ** 6, generator=g))
+    ulp = torch.pow(2.0, torch.floor(torch.log2(x.abs())) - 7)
+    trunc = sites.round_to_bf16(x, "trunc").float()
+    for mode, step in (("truncpm", 1), ("truncpm2", 2)):
+        r = sites.round_to_bf16(x, mode).float()
+        step_in_size = (r.abs() - trunc.abs()) / ulp
+        assert (step_in_size > 0).float().mean().item() == pytest.approx(0.5, abs=0.01), mode
+        assert step_in_size.mean().item() == pytest.approx(0.0, abs=0.02), mode
+        assert step_in_size.abs().mean().item() == pytest.approx(step, abs=0.01), mode
+        assert ((r.abs() - x.abs()) / ulp).mean().item() == pytest.approx(-0.5, abs=0.02), mode
+        assert ((r - x) / ulp).abs().mean().item() == pytest.approx(step, abs=0.01), mode
+
+
 def test_sym_is_nudges_rule_at_a_push_of_half_an_ulp_off_exact_values(monkeypatch):
     """nudge's rule with a push of 1/2 ulp sends every value the coin's way, as sym does: the
     two agree on every random float not already a bf16 (nudgedose316.md reads sym as that
