@@ -38,8 +38,8 @@ drawn again at about its own error size. A push of p ulp moves a share p of the 
 p^2 ulp to the mean |error|: its doses, nudge8 and nudge16, move 1/8 and 1/16 of them at 1.06x
 and 1.016x rne's error (nudgedose.md), nudge3of16 3/16 of them at 1.14x (nudgedose316.md).
 truncpm and truncpm2 keep truncation's one-signed error and add a zero-mean step: against a
-truncating engine, the cheap fix's sign with a larger mismatch (truncpm-amd.md). Zero, the
-smallest steps and infinities do not move (no step crosses zero or into NaN).
+truncating engine, the cheap fix's sign with a larger mismatch (truncpm-amd.md). Zero,
+values below the step and infinities do not move (no step crosses zero or into NaN).
 
     python experiments/campaign.py --arms gspo-engine --variants bf16-site-trunc --seeds 0 1
 
