@@ -3,7 +3,8 @@ experiments/sites_audit.py: what GSPO's first update does with each variant's mi
 its falls. It reads audit.py --loss gspo-engine --variant V's JSONs ($M/sites/audit/V-sS.json,
 the loop on sites-audit.md) and the gspo-engine runs of those variants and seeds:
 
-    python experiments/sites_audit.py $M --seeds 0 1 2 3 4 5 6 7 --out figures/sites-audit-intel-amx.png
+    python experiments/sites_audit.py $M --seeds 0 1 2 3 4 5 6 7 \
+        --out figures/sites-audit-intel-amx.png
 
 Per audit (a variant at a seed's warm start): |b| / sigma and its two parts, each over sigma,
 from the pairwise estimates (audit.bias_statistics): along E g, b_dot_eg / |E g| (negative: the
