@@ -264,9 +264,9 @@ def figure(out):
     ax.set_yticks(range(len(names)), names, fontsize=7)
     ax.set_xticks(range(len(out["seeds"])), out["seeds"], fontsize=7)
     ax.set_xlabel("seed (dark: the run fell; the count of falls above)")
-    for i, n in enumerate(out["falls_by_seed"]):
-        ax.text(i, -0.8, n, ha="center", fontsize=7)
-    ax.set_title(f"falls by seed: spread p {out['cluster']['p']:.5f}", fontsize=9, pad=14)
+    top = ax.secondary_xaxis("top")  # the counts as ticks: the title clears them
+    top.set_xticks(range(len(out["seeds"])), out["falls_by_seed"], fontsize=7)
+    ax.set_title(f"falls by seed: spread p {out['cluster']['p']:.5f}", fontsize=9)
     for ax, (kind, base, c) in zip(axes[0][1:], crossed):
         grid_panel(ax, base, c, *CROSSINGS[kind][1:])
     machine_title(fig, out["machine"])
