@@ -117,8 +117,8 @@ def per_run(cells, key):  # [(seed, fell, value)] of every audited run with a ru
 
 def analyse(path, only=None):
     audits, seeds = read_audits(path, only)
-    every = read(path, only)  # --seeds' runs (every seed's without it): its falls over them
-    runs = every["variants"]
+    ran = read(path, only)  # --seeds' runs (every seed's without it): its falls over them
+    runs = ran["variants"]
     missing = [v for v in audits if v not in runs]
     if missing:
         refuse(f"{path}: no gspo-engine runs of {missing[0]}")
@@ -139,7 +139,7 @@ def analyse(path, only=None):
             "exploratory_within_seed_mismatch": {"share": size_share, "p_monte_carlo": size_p},
             "rank_p": {"bias_over_noise": ps[0], "across": ps[1]}, "holm": holm(ps),
             "within_seed": {"share": share, "p_monte_carlo": p3, "draws": DRAWS},
-            "machine": every["machine"]}
+            "machine": ran["machine"]}
 
 def dip(path, only=None):
     """sites-swap.md's audits in the dip: each trainer's figures at bf16-trunc's stops after 10
