@@ -1,5 +1,5 @@
 """experiments/sites_audit.py: the bias's parts along and across E g, the rank test and the
-within-seed test, by hand."""
+within-seed test, by hand; a variant's falls counted over the seeds read."""
 import json
 import os
 
@@ -67,3 +67,43 @@ def test_the_dip_contrasts_by_hand(tmp_path, capsys):
     assert os.path.getsize(tmp_path / "dip.png") > 0 and "| bias_over_noise | bf16-trunc-site-trunc" in \
         capsys.readouterr().out
     assert json.load(open(tmp_path / "dip.json"))["seeds"] == [0, 1, 2]
+
+
+def run_folder(root, v, seed, acc):
+    """One hand-set gspo-engine run of plan sites (AMX hidden): five rows, its held-out `acc`."""
+    run = root / f"gspo-engine-{v}-s{seed}"
+    run.mkdir()
+    mode = {"site_rounding": "trunc"} if v.endswith("site-trunc") else {}
+    args = {"dtype": "bf16", "kernel_library": "_C", "amx_hidden": True, "seed": seed, "steps": 5,
+            "machine": {**MACHINE, "cpu_isa": ["amx_tile"]}, **mode}
+    rest = {"pi_bucket_frac": [0.1] * 5, "pi_bucket_logp_abs_mean": [1e-4] * 5,
+            "response_len_mean": 24.0, "entropy_mean": 0.1, "logit_rms": 3.0}
+    rows = [{"step": s, "reward_mean": 0.9, "mismatch_logp_abs_mean": 2e-4, "mismatch_k1": -2e-5,
+             **rest} for s in range(5)]
+    (run / "args.json").write_text(json.dumps(args))
+    (run / "heldout.json").write_text(json.dumps({"accuracy": acc}))
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def test_a_variants_falls_are_counted_over_the_seeds_read(tmp_path, monkeypatch):
+    """The trainer truncating fell at seeds 2 and 3 of 0-3: read at --seeds 0 1, none of its two
+    runs fell and only those seeds' audits are read; read at every seed, 2 of 4."""
+    monkeypatch.setattr(sites_audit, "DRAWS", 100)
+    heldout = {"bf16-noamx": [0.95, 0.96, 0.94, 0.95],
+               "bf16-noamx-site-trunc": [0.9, 0.92, 0.2, 0.1]}
+    (tmp_path / "sites" / "audit").mkdir(parents=True)
+    for v, accs in heldout.items():
+        for seed, acc in enumerate(accs):
+            run_folder(tmp_path, v, seed, acc)
+            row = {"b2": 0.5, "b_dot_eg": -0.3, "eg2": 0.36, "sigma2": 4.0, "clipped_share": 0.1,
+                   "bias_over_noise": 0.1 * (seed + 1), "mismatch_logp_abs_mean": 2e-4,
+                   "resolved": True}
+            audit = {"loss": "gspo-engine", "variant": v, "machine": MACHINE, "rows": [row]}
+            (tmp_path / "sites" / "audit" / f"{v}-s{seed}.json").write_text(json.dumps(audit))
+    first = sites_audit.analyse(str(tmp_path), [0, 1])
+    trunc = first["variants"]["bf16-noamx-site-trunc"]
+    assert first["seeds"] == [0, 1] and (trunc["fell"], trunc["runs"]) == (0, 2)
+    assert trunc["bias_over_noise"] == pytest.approx(0.15)  # seeds 0 and 1's audits alone
+    every = sites_audit.analyse(str(tmp_path))["variants"]["bf16-noamx-site-trunc"]
+    assert (every["fell"], every["runs"]) == (2, 4)
+    assert every["bias_over_noise"] == pytest.approx(0.25)
