@@ -39,6 +39,8 @@ def test_within_seed_by_hand(monkeypatch):
 
 
 MACHINE = {"cpu": "chip", "gpu": None, "cpu_isa": ["avx2"], "torch": "t", "vllm": "v", "host": "h"}
+ROW = {"b2": 0.5, "b_dot_eg": -0.3, "eg2": 0.36, "sigma2": 4.0, "clipped_share": 0.1,
+       "mismatch_logp_abs_mean": 2e-4, "resolved": True}  # an audit's row; bias_over_noise its own
 
 
 def test_the_dip_contrasts_by_hand(tmp_path, capsys):
@@ -51,8 +53,7 @@ def test_the_dip_contrasts_by_hand(tmp_path, capsys):
             "bf16-trunc-site-rne6": [0.35, 0.45, 0.4]}
     for v, values in bias.items():
         for s, x in enumerate(values + ([0.9] if v == "bf16-trunc" else [])):
-            row = {"b2": 0.5, "b_dot_eg": -0.3, "eg2": 0.36, "sigma2": 4.0, "bias_over_noise": x,
-                   "clipped_share": 0.1, "mismatch_logp_abs_mean": 2e-4, "resolved": True}
+            row = {**ROW, "bias_over_noise": x}
             audit = {"loss": "gspo-engine", "variant": v, "machine": MACHINE, "rows": [row]}
             (folder / f"{v}-s{s}.json").write_text(json.dumps(audit))
     out = sites_audit.dip(str(tmp_path))
@@ -69,11 +70,11 @@ def test_the_dip_contrasts_by_hand(tmp_path, capsys):
     assert json.load(open(tmp_path / "dip.json"))["seeds"] == [0, 1, 2]
 
 
-def run_folder(root, v, seed, acc):
+def run_folder(root, v, seed, acc, mode):
     """One hand-set gspo-engine run of plan sites (AMX hidden): five rows, its held-out `acc`."""
     run = root / f"gspo-engine-{v}-s{seed}"
     run.mkdir()
-    mode = {"site_rounding": "trunc"} if v.endswith("site-trunc") else {}
+    mode = {"site_rounding": mode} if mode != "rne" else {}
     args = {"dtype": "bf16", "kernel_library": "_C", "amx_hidden": True, "seed": seed, "steps": 5,
             "machine": {**MACHINE, "cpu_isa": ["amx_tile"]}, **mode}
     rest = {"pi_bucket_frac": [0.1] * 5, "pi_bucket_logp_abs_mean": [1e-4] * 5,
@@ -89,15 +90,13 @@ def test_a_variants_falls_are_counted_over_the_seeds_read(tmp_path, monkeypatch)
     """The trainer truncating fell at seeds 2 and 3 of 0-3: read at --seeds 0 1, none of its two
     runs fell and only those seeds' audits are read; read at every seed, 2 of 4."""
     monkeypatch.setattr(sites_audit, "DRAWS", 100)
-    heldout = {"bf16-noamx": [0.95, 0.96, 0.94, 0.95],
-               "bf16-noamx-site-trunc": [0.9, 0.92, 0.2, 0.1]}
+    heldout = {("bf16-noamx", "rne"): [0.95, 0.96, 0.94, 0.95],
+               ("bf16-noamx-site-trunc", "trunc"): [0.9, 0.92, 0.2, 0.1]}
     (tmp_path / "sites" / "audit").mkdir(parents=True)
-    for v, accs in heldout.items():
+    for (v, mode), accs in heldout.items():
         for seed, acc in enumerate(accs):
-            run_folder(tmp_path, v, seed, acc)
-            row = {"b2": 0.5, "b_dot_eg": -0.3, "eg2": 0.36, "sigma2": 4.0, "clipped_share": 0.1,
-                   "bias_over_noise": 0.1 * (seed + 1), "mismatch_logp_abs_mean": 2e-4,
-                   "resolved": True}
+            run_folder(tmp_path, v, seed, acc, mode)
+            row = {**ROW, "bias_over_noise": 0.1 * (seed + 1)}
             audit = {"loss": "gspo-engine", "variant": v, "machine": MACHINE, "rows": [row]}
             (tmp_path / "sites" / "audit" / f"{v}-s{seed}.json").write_text(json.dumps(audit))
     first = sites_audit.analyse(str(tmp_path), [0, 1])
