@@ -14,16 +14,18 @@ variant names another seed's); a run left half done is resumed. A finished run's
 by one fp32 engine (heldout.py; in PROBED arms also by mismatch.py --quick, and each seed's warm
 start once), then its small files go to results/<machine>/: committed, skipped next time, what
 the figures are drawn from. <machine> is the CPU model and the ISA features vLLM's kernels read:
-runs are paired only within one machine's folder. --stop-after N ends every run after its N-th
-update (of its own schedule: its rows equal the whole run's) and reads that policy;
-results/<machine>/stepN/ keeps them; a later stop, or the whole run, goes on from an earlier
-stop's checkpoint where it is kept (resume is exact). A run's variant reaches --run by name
-(--variant): its record (variants.py) gives the engine's options, one value from here to
-rollout.start_engine. A campaign refuses a tree with uncommitted changes to tracked files,
-unless --allow-dirty, which keeps the diff beside each run (diff.patch): a result names its
-code.
+runs are paired only within one machine's folder, and a CPU new to a folder (its family/model/
+stepping) is refused there until its seed-0 runs, made apart, repeat the folder's.
+--stop-after N ends every run after its N-th update (of its own schedule: its rows equal the
+whole run's) and reads that policy; results/<machine>/stepN/ keeps them; a later stop, or the
+whole run, goes on from an earlier stop's checkpoint where it is kept (resume is exact). A run's
+variant reaches --run by name (--variant): its record (variants.py) gives the engine's options,
+one value from here to rollout.start_engine. A campaign refuses a tree with uncommitted changes
+to tracked files, unless --allow-dirty, which keeps the diff beside each run (diff.patch): a
+result names its code.
 """
 import contextlib
+import glob
 import json
 import os
 import re
@@ -42,6 +44,18 @@ def machine_group(m):
     """results/ subfolder name: the CPU (or GPU) model and the ISA features, as a slug."""
     name = f"{m['gpu'] or m['cpu']} {' '.join(m['cpu_isa'])}".lower()
     return re.sub(r"[^a-z0-9]+", "-", name.replace("(r)", "").replace("(tm)", "")).strip("-")
+
+def refuse_new_cpu(group, cpu_id):
+    """One line where the group's folder holds runs and none of this CPU's family/model/stepping:
+    one ISA's CPUs have repeated each other bit for bit so far, but a new one joins a folder
+    only once its seed-0 runs, made apart (--results elsewhere), repeat the folder's
+    (provenance.md, Machines); moved in as <family>-<model>-<stepping>-reruns/, they admit it."""
+    found = glob.glob(os.path.join(group, "**", "args.json"), recursive=True)
+    seen = {json.load(open(a))["machine"].get("cpu_id") for a in found} - {None}
+    if seen and cpu_id not in seen:  # runs from before cpu_id was recorded say nothing
+        refuse(f"{group} holds runs of cpu_id {', '.join(sorted(seen))}, none of this CPU's "
+               f"{cpu_id}: repeat seed 0 with --results elsewhere, compare (provenance.md), "
+               f"then move those runs in as {cpu_id.replace('/', '-')}-reruns/")
 
 def tree_diff():
     """The uncommitted changes to tracked files (git diff HEAD): '' on a clean tree."""
@@ -330,6 +344,7 @@ def main(argv=None):
         refuse("the tree has uncommitted changes: commit them, or --allow-dirty to keep the "
                "diff beside each run")
     refuse_unswappable(todo, args)
+    refuse_new_cpu(os.path.join(args.results, machine_group(machine())), machine()["cpu_id"])
     if args.plan == "dial" and not os.path.isfile(os.path.join(results, "dial.json")):
         refuse(f"--plan dial: no {results}/dial.json: run experiments/dial.py calibrate first")
     os.makedirs(results, exist_ok=True)

@@ -1,5 +1,6 @@
 """experiments/campaign.py and plans.py: the runner in fresh processes (once, skipped when done,
-resumed), a dirty tree refused or its diff kept, and the plans' runs well formed."""
+resumed), a dirty tree refused or its diff kept, a CPU new to its folder refused, and the plans'
+runs well formed."""
 import argparse
 import json
 import os
@@ -137,6 +138,38 @@ def test_a_dirty_tree_is_refused_and_allow_dirty_keeps_the_diff(tmp_path, monkey
     campaign.main(argv + ["--allow-dirty"])
     kept = tmp_path / "results" / campaign.machine_group(machine()) / "grpo-fp32-s0"
     assert (kept / "diff.patch").read_text() == "diff --git a/grpo.py b/grpo.py\n"
+
+
+def test_a_cpu_new_to_its_folder_is_refused_until_its_reruns_are_in(tmp_path, monkeypatch, capsys):
+    """A machine folder holding runs of another family/model/stepping only: refused in one line
+    before any run, nothing written; runs from before cpu_id was recorded say nothing; once this
+    CPU's seed-0 reruns are moved in (ID-reruns/), its runs go on."""
+    group = tmp_path / "results" / campaign.machine_group(machine())
+    def hand_run(path, cpu_id):  # a run's args.json as train_run records it, another cpu_id
+        path.mkdir(parents=True)
+        recorded = {k: v for k, v in machine().items() if k != "cpu_id"}
+        recorded |= {"cpu_id": cpu_id} if cpu_id else {}  # None: recorded before cpu_id was
+        (path / "args.json").write_text(json.dumps({"machine": recorded}))
+    ran = []
+    monkeypatch.setattr(campaign, "tree_diff", lambda: "")
+    monkeypatch.setattr(campaign, "run_all", lambda *a: ran.append(a))
+    argv = ["--plan", "smoke", "--seeds", "0", "--runs", str(tmp_path / "runs"),
+            "--results", str(tmp_path / "results")]
+    hand_run(group / "grpo-fp32-s1", None)
+    campaign.main(argv)
+    assert len(ran) == 1  # no cpu_id recorded in the folder: nothing to compare with
+    hand_run(group / "grpo-fp32-s2", "0/0/0")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(SystemExit) as e:
+        campaign.main(argv)
+    err = capsys.readouterr().err.strip()
+    mine = machine()["cpu_id"]
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and mine in err and "0/0/0" in err, err
+    after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert len(ran) == 1 and after == before
+    hand_run(group / f"{mine.replace('/', '-')}-reruns" / "grpo-fp32-s0", mine)
+    campaign.main(argv)
+    assert len(ran) == 2
 
 
 def recorded_options(v):
