@@ -74,9 +74,9 @@ def run_folder(root, v, seed, acc, mode):
     """One hand-set gspo-engine run of plan sites (AMX hidden): five rows, its held-out `acc`."""
     run = root / f"gspo-engine-{v}-s{seed}"
     run.mkdir()
-    mode = {"site_rounding": mode} if mode != "rne" else {}
+    rounding = {"site_rounding": mode} if mode != "rne" else {}  # rne: the flag left out
     args = {"dtype": "bf16", "kernel_library": "_C", "amx_hidden": True, "seed": seed, "steps": 5,
-            "machine": {**MACHINE, "cpu_isa": ["amx_tile"]}, **mode}
+            "machine": {**MACHINE, "cpu_isa": ["amx_tile"]}, **rounding}
     rest = {"pi_bucket_frac": [0.1] * 5, "pi_bucket_logp_abs_mean": [1e-4] * 5,
             "response_len_mean": 24.0, "entropy_mean": 0.1, "logit_rms": 3.0}
     rows = [{"step": s, "reward_mean": 0.9, "mismatch_logp_abs_mean": 2e-4, "mismatch_k1": -2e-5,
