@@ -201,7 +201,9 @@ def matched(path, folder="sites"):
     the rounding engine (the ablation's), and the truncating engine against the rounding
     trainer (the size that fell); where off by more than 15 % of the first, the factor its
     error would need. The readings in path/folder: sites (the 0.9M GPT's warm start, seed 0),
-    scale-sites (the 7M GPT's), sites-rne5 (the 0.9M GPT's again, with rne5; scale-rne5.md)."""
+    scale-sites (the 7M GPT's), sites-rne5 (the 0.9M GPT's again, with rne5; scale-rne5.md).
+    A chip whose every library truncates (AVX2 alone) has no rounding engine: each row over the
+    truncating engine's alone, the first ratio and its factor left empty ("-", null)."""
     rows = {}
     for f in sorted(glob.glob(os.path.join(path, folder, "*.json"))):
         r = load_json(f, "anatomy.py --site-rounding MODE --json F")
@@ -212,9 +214,12 @@ def matched(path, folder="sites"):
                                               "tokens": (r["checkpoint"], r["tokens_sha1"]),
                                               "library": r["kernel_library"]}
     refs = [("rounding", "trunc"), ("truncating", "rne")]
+    if not any(engine == "rounding" for engine, _ in rows):  # AVX2: no rounding engine to read
+        refs = refs[1:]
     if len({r["tokens"] for r in rows.values()}) != 1 or not all(k in rows for k in refs):
         refuse(f"{path}/{folder}/: not one checkpoint's tokens, or no {refs} rows")
-    site, fell = (rows[k]["logp_abs_mean"] for k in refs)
+    site = rows[refs[0]]["logp_abs_mean"] if len(refs) == 2 else None
+    fell = rows[refs[-1]]["logp_abs_mean"]
     ckpt, sha = next(iter(rows.values()))["tokens"]
     print(f"\nbf16 on {ckpt}, {len(rows)} readings of the same tokens (sha1 {sha}): mean |d| "
           "over the trainer's trunc against the rounding engine, and over the truncating engine "
@@ -225,12 +230,13 @@ def matched(path, folder="sites"):
     for (engine, mode), r in sorted(rows.items(), key=lambda kv: (kv[0][0] != "rounding",
                                                                    MODES.index(kv[0][1]))):
         d = r["logp_abs_mean"]
-        needs = f"{site / d:.2f}x" if abs(d / site - 1) > 0.15 else "-"
+        over = d / site if site else None
+        needs = f"{site / d:.2f}x" if over and abs(over - 1) > 0.15 else "-"
         out[f"{engine}-{mode}"] = {"library": r["library"], "site_rounding": mode,
                                    "logp_abs_mean": d, "signed_mean": r["signed_mean"],
-                                   "over_site_trunc": d / site, "over_engine_trunc": d / fell}
+                                   "over_site_trunc": over, "over_engine_trunc": d / fell}
         print(f"| {engine} ({r['library']}) | {mode} | {d:.3e} | {r['signed_mean']:+.2e} | "
-              f"{d / site:.2f} | {needs} | {d / fell:.2f} |")
+              f"{f'{over:.2f}' if over else '-'} | {needs} | {d / fell:.2f} |")
     return {"checkpoint": ckpt, "tokens_sha1": sha, "rows": out}
 
 def main(argv=None):

@@ -101,6 +101,23 @@ def test_the_matched_size_table_of_another_folder_is_one_checkpoints(tmp_path, c
     assert e.value.code == 2
 
 
+def test_the_matched_size_table_where_every_library_truncates(tmp_path, capsys):
+    """AVX2 alone: no rounding engine, each row over the truncating engine's against the trainer's
+    rne, the ratio to the trainer's trunc against a rounding engine left empty; no rne, refused."""
+    os.makedirs(tmp_path / "sites")
+    for mode, size in (("trunc", 1.8e-4), ("rne6", 4.4e-4)):
+        anatomy(tmp_path / "sites" / f"own-{mode}.json", "_C_AVX2", mode, size)
+    with pytest.raises(SystemExit) as e:
+        sites_figure.matched(str(tmp_path))
+    assert e.value.code == 2
+    anatomy(tmp_path / "sites" / "own-rne.json", "_C_AVX2", "rne", 4e-4)
+    out = sites_figure.matched(str(tmp_path))["rows"]
+    assert out["truncating-trunc"]["over_engine_trunc"] == pytest.approx(0.45)
+    assert out["truncating-rne6"]["over_site_trunc"] is None
+    printed = capsys.readouterr().out
+    assert "| truncating (_C_AVX2) | rne6 | 4.400e-04 | +0.00e+00 | - | - | 1.10 |" in printed
+
+
 def test_the_figure_and_its_json(tmp_path):
     out = str(tmp_path / "sites.png")
     sites_figure.main([folder(str(tmp_path / "runs")), "--out", out])
