@@ -25,12 +25,14 @@ import re
 import numpy as np
 
 from common import fmt, holm, load, load_json, mean_se, paired, refuse
-from variants import DIAL_SHAPES
+from plans import PLANS
+from variants import DIAL_SHAPES, parse_run
 from results import load_experiment, parse_runs, plt, runs_parser, save, variant
 
 DOSE0 = 0.01  # where dose 0 sits on the log axis, in units of the chip's bf16 (it has no log)
-LOSSES = (0.01, 0.05)  # the held-out losses the practitioner's table finds the dose of
-CHIPS = {  # results/ folder: a short name for the marks
+LOSSES = (0.01, 0.05)
+SEEDS_MARKED = 8  # a chip's marks without a calibration: plan campaign's seeds 0-7  # the held-out losses the practitioner's table finds the dose of
+CHIPS = {  # results/ folder: a short name for the marks; a folder not named here has none
     "amd-epyc-avx2": "AMD Zen 3 (AVX2)",
     "amd-epyc-avx2-avx512f-avx512-bf16": "AMD Zen 4/5 (AVX-512-BF16)",
     "intel-xeon-processor-2-80ghz-avx2-avx512f": "Intel Xeon (AVX-512F)",
@@ -52,24 +54,27 @@ AUDIT_KEYS = ("dial_dose", "bias_over_noise", "bias_over_noise_ci", "steps_upper
 def chip_marks(results):
     """Each chip's plain bf16 and fp16 mismatch on the warm start: its dial calibration's
     (dial.py calibrate, measured once); where a chip has none, step 0 of its runs of those
-    variants (the warm start's policy, the engine's own samples), the mean over runs. The
-    calibration first, so that a figure does not move as another chip's runs land."""
-    marks = {}
-    for group in sorted(os.listdir(results)):
+    variants in plan campaign's arms at seeds 0-7 (the 0.9M GPT's warm starts, the engine's own
+    samples), the mean over runs. The chips named in CHIPS alone, the calibration first, the
+    campaign's runs alone: a figure does not move as other runs or another chip's land."""
+    marks, campaign = {}, dict(PLANS["campaign"])
+    for group in sorted(g for g in os.listdir(results) if g in CHIPS):
         folder, found = os.path.join(results, group), {"bf16": [], "fp16": []}
         calibration = load(os.path.join(folder, "dial.json"))
         if calibration:  # fixed: measured once, on seed 0's warm start
-            marks[CHIPS.get(group, group)] = {k: {"n": "dial.json", "mean": calibration[key]}
-                                              for k, key in (("bf16", "unit"), ("fp16", "fp16"))}
+            marks[CHIPS[group]] = {k: {"n": "dial.json", "mean": calibration[key]}
+                                   for k, key in (("bf16", "unit"), ("fp16", "fp16"))}
             continue
         for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-            args = load(os.path.join(folder, name, "args.json"))
+            args, parsed = load(os.path.join(folder, name, "args.json")), parse_run(name)
+            if not parsed or parsed[0] not in campaign or parsed[2] >= SEEDS_MARKED:
+                continue  # the larger GPT's arms, the later seeds: not the marks' runs
             if args and variant(args) in found:
                 first = json.loads(open(os.path.join(folder, name, "metrics.jsonl")).readline())
                 found[variant(args)].append(first["mismatch_logp_abs_mean"])
         if all(found.values()):
-            marks[CHIPS.get(group, group)] = {k: {"n": len(x), "mean": float(np.mean(x))}
-                                              for k, x in found.items()}
+            marks[CHIPS[group]] = {k: {"n": len(x), "mean": float(np.mean(x))}
+                                   for k, x in found.items()}
     return marks
 
 def dose_cell(seeds):

@@ -95,22 +95,30 @@ def test_arms_draws_those_arms_alone_and_refuses_one_with_no_run(tmp_path):
     assert stop.value.code == 2
 
 
-def test_chip_marks_take_the_calibration_first_and_shapes_hold_the_figure(tmp_path):
+def test_chip_marks_take_the_calibration_first_and_shapes_hold_the_figure(tmp_path, monkeypatch):
     """A chip's bf16 and fp16 marks: its dial.json where it has one, whatever runs land beside it
-    (a figure does not move as runs land); the mean of its runs' step 0 where it has none.
+    (a figure does not move as runs land); the mean of its campaign runs' step 0 where it has none
+    (the larger GPT's arm and seeds past 7 not counted); a folder CHIPS does not name, none.
     --shapes keeps the named shapes alone."""
+    monkeypatch.setattr(dial_figure, "CHIPS", {"chip": "chip", "other": "other"})
     folder = dial_folder(str(tmp_path))
-    other = os.path.join(os.path.dirname(folder), "other")
+    other, unnamed = (os.path.join(os.path.dirname(folder), g) for g in ("other", "unnamed"))
     machine = {"cpu": "other", "gpu": None, "cpu_isa": ["avx2"], "torch": "t", "vllm": "v", "host": "h"}
-    for chip, mismatch in ((folder, 9e-4), (other, 3e-4)):  # plain bf16 and fp16 runs on both
+    runs = ((folder, "gspo-engine", 0, 9e-4), (other, "gspo-engine", 0, 3e-4),
+            (unnamed, "gspo-engine", 0, 1e-4),  # a chip not named: no mark
+            (other, "gspo-engine-x8", 0, 8e-4), (other, "gspo-engine", 8, 8e-4))  # not counted
+    for chip, arm, seed, mismatch in runs:  # plain bf16 and fp16 runs
         for dtype in ("bf16", "fp16"):
-            run = os.path.join(chip, f"gspo-engine-{dtype}-s0")
+            run = os.path.join(chip, f"{arm}-{dtype}-s{seed}")
             os.makedirs(run)
-            json.dump({"dtype": dtype, "seed": 0, "steps": 1, "machine": machine}, open(os.path.join(run, "args.json"), "w"))
-            open(os.path.join(run, "metrics.jsonl"), "w").write(json.dumps({"mismatch_logp_abs_mean": mismatch}) + "\n")
+            json.dump({"dtype": dtype, "seed": seed, "steps": 1, "machine": machine},
+                      open(os.path.join(run, "args.json"), "w"))
+            open(os.path.join(run, "metrics.jsonl"), "w").write(
+                json.dumps({"mismatch_logp_abs_mean": mismatch}) + "\n")
     marks = dial_figure.chip_marks(os.path.dirname(folder))
     assert marks["chip"]["bf16"] == {"n": "dial.json", "mean": 4e-4}  # not its run's 9e-4
     assert marks["other"]["bf16"] == {"n": 1, "mean": 3e-4}
+    assert set(marks) == {"chip", "other"}
     for seed in range(3):  # a second shape's runs beside uniform's
         name = os.path.join(folder, f"grpo-bf16-aligned-dial10-temperature-s{seed}")
         shutil.copytree(os.path.join(folder, f"grpo-bf16-aligned-dial10-uniform-s{seed}"), name)
