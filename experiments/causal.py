@@ -18,7 +18,7 @@ curves are campaign_figure.py's). Page: experiments/causal.md.
 import matplotlib.pyplot as plt
 
 from common import fmt, holm, mean_se
-from plans import WITH_AMX_CONTROL
+from plans import PLANS, WITH_AMX_CONTROL
 from results import (COLORS, load_experiment, machine_title, paired_seeds, parse_runs,
                      runs_parser, save)
 
@@ -43,10 +43,11 @@ def growth_before_fall(rows, with_fall=True):
     most = max(r["mismatch_logp_abs_mean"] for r in rows[:fall + with_fall] or rows[:1])
     return fall, most / first if first else None
 
-def arm_table(by_variant):
-    """Per variant: seeds, held-out, falls, growth; then the contrasts present."""
-    cells = {}
-    for v in (v for v in WITH_AMX_CONTROL if v in by_variant):
+def arm_table(by_variant, arm="gspo-engine"):
+    """Per variant of the arm's in plan rounding (a record other plans ran beside it is not
+    read): seeds, held-out, falls, growth; then the contrasts present."""
+    cells, planned = {}, dict(PLANS["rounding"]).get(arm, WITH_AMX_CONTROL)
+    for v in (v for v in planned if v in by_variant):
         runs = sorted(by_variant[v], key=lambda run: run[0])
         held = [f["heldout"] for _, _, f in runs]
         m, se = mean_se(held)
@@ -115,7 +116,7 @@ def main(argv=None):
     arms = args.arms or ["gspo-engine", "grpo", "drgrpo-mb4"]
     runs, where = load_experiment(args.path, args.seeds, arms, dial=False)
     out = {"machine": where, "fell_below": FELL,
-           "arms": {arm: arm_table(runs[arm]) for arm in arms if arm in runs}}
+           "arms": {arm: arm_table(runs[arm], arm) for arm in arms if arm in runs}}
     print_tables(out)
     save(figure(out), args.out, out)
 

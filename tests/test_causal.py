@@ -77,3 +77,16 @@ def test_the_amx_control_is_a_family_of_its_own(tmp_path, capsys):
     assert control[("bf16-trunc", "bf16-noamx")]["p_holm"] == pytest.approx(min(1, 2 * ps[0]))
     assert {t["tests_in_table"] for t in control.values()} == {2}
     assert "| bf16-trunc - bf16-noamx | 3 |" in capsys.readouterr().out
+
+
+def test_an_arm_reads_its_own_variants_in_plan_rounding_alone():
+    """grpo's bf16-noamx (plan sites-grpo's, landed beside plan rounding's) is not read there,
+    and no control family appears; in gspo-engine, where plan rounding ran it, it is."""
+    by_variant = {v: [(s, reward_rows(False), {"heldout": 0.9 + 0.01 * s + 0.001 * i})
+                      for s in range(3)]
+                  for i, v in enumerate(("bf16", "bf16-trunc", "bf16-noamx"))}
+    grpo = causal.arm_table(by_variant, "grpo")
+    assert set(grpo["variants"]) == {"bf16", "bf16-trunc"} and "control" not in grpo
+    engine = causal.arm_table(by_variant, "gspo-engine")
+    assert set(engine["variants"]) == {"bf16", "bf16-trunc", "bf16-noamx"}
+    assert [(t["a"], t["b"]) for t in engine["control"]] == causal.CONTROL
