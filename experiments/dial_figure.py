@@ -30,8 +30,8 @@ from variants import DIAL_SHAPES, parse_run
 from results import load_experiment, parse_runs, plt, runs_parser, save, variant
 
 DOSE0 = 0.01  # where dose 0 sits on the log axis, in units of the chip's bf16 (it has no log)
-LOSSES = (0.01, 0.05)
-SEEDS_MARKED = 8  # a chip's marks without a calibration: plan campaign's seeds 0-7  # the held-out losses the practitioner's table finds the dose of
+LOSSES = (0.01, 0.05)  # the held-out losses the practitioner's table finds the dose of
+SEEDS_MARKED = 8  # a chip's marks without a calibration: plan campaign's seeds 0-7
 CHIPS = {  # results/ folder: a short name for the marks; a folder not named here has none
     "amd-epyc-avx2": "AMD Zen 3 (AVX2)",
     "amd-epyc-avx2-avx512f-avx512-bf16": "AMD Zen 4/5 (AVX-512-BF16)",
