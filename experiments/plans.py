@@ -162,6 +162,11 @@ PLANS["scale-grpo-trunc"] = [("grpo-x8", ["bf16", "bf16-trunc"])]
 # The CPU trainer's embedding backward as a GPU's on the larger GPT (embed32.md), where the
 # truncating library forced made gspo-engine-x8 fall in 8 of 8 here: does it still?
 PLANS["scale-embed32"] = [("gspo-engine-x8", ["bf16-trunc", "bf16-trunc-embed32"])]
+# The cheap fix's sign without its size on the larger GPT (scale-truncpm2.md): against the
+# truncating library forced, the trainer truncating like it, then 2 ulp up or down by the coin,
+# beside plan scale's bf16-trunc and the cheap fix (where plan scale ran, those are there).
+PLANS["scale-truncpm2"] = [("gspo-engine-x8", ["bf16-trunc", "bf16-trunc-site-trunc",
+                                               "bf16-trunc-site-truncpm2"])]
 
 def probed(name):
     """Whether mismatch.py --quick reads a run's policy: a PROBED arm's run of a probed variant

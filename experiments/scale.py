@@ -18,7 +18,8 @@ trainer and the trainer's rounding at the two sites beside the chip's bf16, scal
 --plan scale-rne5 where the engine rounds: a larger zero-mean error, scale-rne5.md; --plan
 scale-grpo: vanilla GRPO, arms grpo-x8 and grpo, scale-grpo.md; scale-grpo-trunc, the same
 with the engine's truncating library forced; scale-embed32, the CPU trainer's embedding backward
-summed in float32 against that library, embed32.md):
+summed in float32 against that library, embed32.md; scale-truncpm2, the cheap fix's sign with a
+2-ulp zero-mean step added against that library, scale-truncpm2.md):
 
     nohup python experiments/campaign.py --plan scale --seeds 0 1 2 3 4 > runs/scale.log &
     python experiments/scale.py $M --seeds 0 1 2 3 4 --out figures/scale-intel-amx.png
@@ -31,7 +32,7 @@ on the rows before its step (sites_figure.print_growth). The figure: a panel per
 seed's held-out by variant, a dot sized by that run's step-0 mean |d|. --arms reads one arm
 alone (its numbers as beside the other); --warm-starts reads both, a seed's row the pair.
 Pages: experiments/scale.md, scale-fp16.md, scale-sites.md, scale-rne5.md, scale-grpo.md,
-embed32.md.
+embed32.md, scale-truncpm2.md.
 """
 import os
 import subprocess
@@ -81,7 +82,13 @@ FAMILIES = {"scale": rounding_family("bf16-noamx"), "scale-own": rounding_family
             "scale-grpo-trunc": ([("bf16-trunc", "bf16")], [("bf16-trunc", "bf16")]),
             # the CPU trainer's embedding backward as a GPU's, the engine truncating (embed32.md)
             "scale-embed32": ([("bf16-trunc-embed32", "bf16-trunc")],
-                              [("bf16-trunc-embed32", "bf16-trunc")])}
+                              [("bf16-trunc-embed32", "bf16-trunc")]),
+            # the cheap fix's sign, its size undone: truncpm2 and the cheap fix against
+            # bf16-trunc, truncpm2's size against both (scale-truncpm2.md)
+            "scale-truncpm2": ([("bf16-trunc-site-trunc", "bf16-trunc"),
+                                ("bf16-trunc-site-truncpm2", "bf16-trunc")],
+                               [("bf16-trunc-site-truncpm2", "bf16-trunc"),
+                                ("bf16-trunc-site-truncpm2", "bf16-trunc-site-trunc")])}
 
 def step0_ratios(cells, pairs):
     """Each pair's step-0 mean |d|, the first's over the second's, seed by seed: mean, range."""
@@ -206,8 +213,9 @@ def main(argv=None):
                         "the trainer's rounding at the two sites beside bf16), scale-rne5 "
                         "(a zero-mean error larger than rne6's), scale-grpo (vanilla GRPO, "
                         "grpo-x8 beside grpo), scale-grpo-trunc (the same, the engine "
-                        "truncating) or scale-embed32 (the CPU trainer's embedding backward "
-                        "in float32, the engine truncating)")
+                        "truncating), scale-embed32 (the CPU trainer's embedding backward "
+                        "in float32, the engine truncating) or scale-truncpm2 (the cheap "
+                        "fix's sign, a 2-ulp zero-mean step added)")
     args = parse_runs(p, argv)
     if args.warm_starts and args.arms:  # a seed's row sets the larger beside the smaller
         refuse("--warm-starts reads both arms' warm starts: drop --arms")
