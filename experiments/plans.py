@@ -164,7 +164,7 @@ PLANS["scale-grpo-trunc"] = [("grpo-x8", ["bf16", "bf16-trunc"])]
 PLANS["scale-embed32"] = [("gspo-engine-x8", ["bf16-trunc", "bf16-trunc-embed32"])]
 # The cheap fix's sign without its size on the larger GPT (scale-truncpm2.md): against the
 # truncating library forced, the trainer truncating like it, then 2 ulp up or down by the coin,
-# beside plan scale's bf16-trunc and the cheap fix (where plan scale ran, those are there).
+# beside plan scale's (or scale-own's) bf16-trunc and the cheap fix (where it ran, they are there).
 PLANS["scale-truncpm2"] = [("gspo-engine-x8", ["bf16-trunc", "bf16-trunc-site-trunc",
                                                "bf16-trunc-site-truncpm2"])]
 

@@ -15,7 +15,8 @@ RECORDS = {"bf16-noamx": {"kernel_library": "_C", "amx_hidden": True},
            "bf16-trunc-site-trunc": {"kernel_library": "_C_AVX512", "site_rounding": "trunc"},
            "bf16-aligned": {"trainer_kernels": "engine"},  # relabel's targets below
            "bf16-site-trunc": {"site_rounding": "trunc"}, "bf16-site-rne5": {"site_rounding": "rne5"},
-           "bf16-trunc-site-truncpm2": {"kernel_library": "_C_AVX512", "site_rounding": "truncpm2"}}
+           "bf16-trunc-site-truncpm2": {"kernel_library": "_C_AVX512",
+                                        "site_rounding": "truncpm2"}}
 HELDOUT = {"gspo-engine": {"bf16-noamx": [0.95, 0.96, 0.94], "bf16-trunc": [0.2, 0.9, 0.3],
                            "bf16-trunc-site-trunc": [0.96, 0.95, 0.95]},
            "gspo-engine-x8": {"bf16-noamx": [0.97, 0.96, 0.98], "bf16-trunc": [0.96, 0.1, 0.97]}}
