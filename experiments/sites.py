@@ -51,6 +51,8 @@ NaN (quiet), infinities stay infinite. The cheap fix's price, a timing (the camp
 
     python experiments/sites.py --cost --json results/MACHINE/sites/cost.json
 
+(--init CKPT: another checkpoint's price, the 7M GPT's warm start for one.)
+
 Where each mode's error grows in the trainer, block by block, against float32 (no engine):
 
     python experiments/sites.py --layers --init CKPT --json results/MACHINE/scale-sites/layers.json
@@ -282,16 +284,16 @@ def combined(e_trainer, e_engine, d):
     both sides, d = 0 if also the same size; 0: independent, d^2 the sum of the squares)."""
     return [(t * t + e * e - x * x) / (2 * t * e) for t, e, x in zip(e_trainer, e_engine, d)]
 
-def cost(seed=0, rounds=4):
+def cost(seed=0, ckpt=None, rounds=4):
     """The cheap fix's price: seconds of one forward + backward of the bf16 trainer on 512
-    teacher-forced held-out sequences of seed's warm start (256 problems, their answers, twice),
-    as it is, with each of plan sites' four site modes, and on the engine's kernels (aligned);
-    rounds over the modes after a warm-up round, so drift hits every mode alike; the median of
-    the rest."""
+    teacher-forced held-out sequences of seed's warm start, or of ckpt (256 problems, their
+    answers, twice), as it is, with each of plan sites' four site modes, and on the engine's
+    kernels (aligned); rounds over the modes after a warm-up round, so drift hits every mode
+    alike; the median of the rest."""
     from mismatch import time_fwd_bwd
 
     idx, _ = teacher_forced(seed)
-    gpt = model.load_hf(default_warm_start(seed), "cpu")
+    gpt = model.load_hf(ckpt or default_warm_start(seed), "cpu")
     modes = [(None, "bf16"), *((m, "bf16") for m in SITE_MODES), (None, "bf16-aligned")]
     times = []
     for _ in range(rounds):
@@ -358,7 +360,7 @@ def main(argv=None):
     p = common.parser("the cheap fix's price, or where each site mode's error grows")
     p.add_argument("--cost", action="store_true", help="time forward + backward, each mode")
     p.add_argument("--layers", action="store_true", help="each mode's error after each block")
-    p.add_argument("--init", default=None, help="--layers: a checkpoint (the warm start)")
+    p.add_argument("--init", default=None, help="a checkpoint (default: seed's warm start)")
     p.add_argument("--engine", action="store_true",
                    help="--layers: also against the engine's kernels (the aligned trainer)")
     p.add_argument("--library", choices=list(rounding.LIBRARIES), default=None,
@@ -382,11 +384,12 @@ def main(argv=None):
         return read_layers(args, machine())
     if not args.cost:
         common.refuse("nothing to do: --cost or --layers (otherwise a module: install(mode))")
-    seconds = cost(args.seed)
+    seconds = cost(args.seed, args.init)
     for name, s in seconds.items():
         print(f"{name:18} {s:6.3f} s  {s / seconds['bf16']:5.2f}x bf16's")
-    if args.json:
-        common.write_json(args.json, {"machine": machine(), "seed": args.seed,
+    if args.json:  # the checkpoint only when named: the default's files keep their keys
+        init = {"checkpoint": args.init} if args.init else {}
+        common.write_json(args.json, {"machine": machine(), "seed": args.seed, **init,
                                       "trainer_fwd_bwd_s": seconds})
 
 if __name__ == "__main__":
