@@ -290,23 +290,15 @@ def cost(seed=0, ckpt=None, rounds=4):
     answers, twice), as it is, with each of plan sites' four site modes and with rne (the
     hooks alone, torch's cast at the sites), and on the engine's kernels (aligned); rounds
     over the modes after a warm-up round, so drift hits every mode alike; the median of the
-    rest."""
-    from mismatch import time_fwd_bwd
+    rest (price.py: fewer trainers, more rounds, the spread)."""
+    from price import time_rounds
 
     idx, _ = teacher_forced(seed)
     gpt = model.load_hf(ckpt or default_warm_start(seed), "cpu")
-    site_modes = ("rne", *SITE_MODES)  # rne: the hooks' own price, the rounding torch's cast
-    modes = [(None, "bf16"), *((m, "bf16") for m in site_modes), (None, "bf16-aligned")]
-    times = []
-    for _ in range(rounds):
-        row = []
-        for site_mode, trainer in modes:
-            use(site_mode)
-            row.append(time_fwd_bwd(gpt, trainer, idx, "cpu"))
-        times.append(row)
-    use(None)
-    names = ["bf16", *(f"bf16-site-{m}" for m in site_modes), "bf16-aligned"]
-    return {n: sorted(t[i] for t in times[1:])[len(times[1:]) // 2] for i, n in enumerate(names)}
+    site_modes = [(f"bf16-site-{m}", m, "bf16") for m in ("rne", *SITE_MODES)]
+    trainers = [("bf16", None, "bf16"), *site_modes, ("bf16-aligned", None, "bf16-aligned")]
+    times = time_rounds(gpt, idx, trainers, rounds - 1)  # rounds counts the warm-up here
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 def default_warm_start(seed, n_items=12):
     """seed's warm start of the default GPT (trained unless cached, as train_grpo.py would)."""
