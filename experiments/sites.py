@@ -101,11 +101,12 @@ def to_nearest(bits, drop):
 def round_bits(x, mode):
     """float32 -> float32 holding a bf16 value, rounded in `mode` on the bit pattern
     (sign-magnitude: adding to the pattern grows the magnitude, either sign)."""
-    bits = x.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    if mode == "trunc":  # the cheap fix: an and, nothing carries, so int32 does (no int64 copy)
+        out = (x.float().contiguous().view(torch.int32) & ~LOW).view(torch.float32)
+        return out.masked_fill_(x.isnan(), float("nan"))  # a payload in the low bits: not inf
+    bits = x.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # adds carry
     if mode in KEPT:  # drop 23 - kept bits to nearest: a bf16, its last bits 0
         bits = to_nearest(bits, 23 - KEPT[mode])
-    elif mode == "trunc":  # drop the low 16 bits
-        bits = bits & ~LOW
     elif mode in NUDGE:  # +-the push, then to nearest, ties to even: still a bf16 neighbour
         push = NUDGE[mode]
         bits = to_nearest(bits + torch.where(coin(bits), push, -push), 16)
