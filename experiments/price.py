@@ -1,11 +1,12 @@
 """
 experiments/price.py: the cheap fix's price, with its spread. One forward and backward of the
-bf16 trainer over 512 teacher-forced held-out sequences (sites.teacher_forced), in four
-trainers back to back in each round: plain bf16, the sites' hooks alone (bf16-site-rne: torch's
-cast at the sites, no arithmetic changed), the cheap fix (bf16-site-trunc) and the engine's own
-kernels (bf16-aligned). The first round warms up and is dropped. In each later round every
-trainer's time is read over plain bf16's in that round, so drift between rounds cancels; the
-reading is the median of those ratios over the rounds, with their quartiles:
+bf16 trainer over 512 teacher-forced held-out sequences (sites.teacher_forced), in four trainers
+back to back in each round, each round starting one trainer later: plain bf16, the sites' hooks
+alone (bf16-site-rne: torch's cast at the sites, no arithmetic changed), the cheap fix
+(bf16-site-trunc) and the engine's own kernels (bf16-aligned). The first round warms up and is
+dropped. In each later round every trainer's time is read over plain bf16's in that round, so
+drift between rounds cancels; the reading is the median of those ratios over the rounds, with
+their quartiles:
 
     hooks        bf16-site-rne / bf16
     arithmetic   bf16-site-trunc / bf16-site-rne
@@ -30,12 +31,14 @@ TRAINERS = (("bf16", None, "bf16"), ("bf16-site-rne", "rne", "bf16"),
 
 def time_rounds(gpt, idx, trainers, rounds):
     """{name: seconds in each of `rounds` rounds}: each (name, site mode, trainer) once a round,
-    in order, after a warm-up round; the site mode installed for its trainer (sites.use)."""
+    after a warm-up round, each round starting one trainer later (a trainer's place in the round
+    weighs: price.md); the site mode installed for its trainer (sites.use)."""
     from mismatch import time_fwd_bwd  # mismatch imports the engine's side: only here
 
     times = {name: [] for name, _, _ in trainers}
     for r in range(rounds + 1):
-        for name, site_mode, trainer in trainers:
+        turn = r % len(trainers)
+        for name, site_mode, trainer in [*trainers[turn:], *trainers[:turn]]:
             sites.use(site_mode)
             seconds = time_fwd_bwd(gpt, trainer, idx, "cpu")
             if r:  # round 0 is the warm-up

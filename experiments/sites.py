@@ -291,8 +291,9 @@ def cost(seed=0, ckpt=None, rounds=4):
     teacher-forced held-out sequences of seed's warm start, or of ckpt (256 problems, their
     answers, twice), as it is, with each of plan sites' four site modes and with rne (the
     hooks alone, torch's cast at the sites), and on the engine's kernels (aligned); rounds
-    over the modes after a warm-up round, so drift hits every mode alike; the median of the
-    rest (price.py: fewer trainers, more rounds, the spread)."""
+    over the modes after a warm-up round, each starting one mode later (price.time_rounds),
+    so drift hits every mode alike; the median of the rest (price.py: fewer trainers, more
+    rounds, the spread)."""
     from price import time_rounds
 
     idx, _ = teacher_forced(seed)

@@ -28,12 +28,20 @@ def test_ratios_pair_each_round_and_the_arithmetic_is_trunc_over_the_hooks():
     assert out["bf16-site-trunc / bf16-site-rne"] == pytest.approx([2 / 1.1, 1.5 / 1.1, 2 / 1.1])
 
 
-def test_time_rounds_times_each_trainer_every_round_and_restores_the_trainer(restore):
+def test_time_rounds_times_each_trainer_every_round_in_turn_and_restores_the_trainer(restore,
+                                                                                     monkeypatch):
+    """Three rounds after the warm-up, each starting one trainer later: the site modes installed
+    (None: the trainer as it is) follow the rotation, and the names are back afterwards."""
     torch.manual_seed(0)
     cfg = model.GPTConfig(n_layer=1, n_head=2, n_embd=64, n_hidden=128, max_seq_len=16)
     gpt, idx = model.GPT(cfg), torch.randint(0, cfg.vocab_size, (2, 8))
     original = (precision.TensorCoreMatmuls, model.apply_rope, model.GPT.forward)
+    installed, use = [], sites.use
+    monkeypatch.setattr(sites, "use", lambda mode: installed.append(mode) or use(mode))
     times = price.time_rounds(gpt, idx, price.TRAINERS, 3)
+    modes = [m for _, m, _ in price.TRAINERS]  # None, rne, trunc, None
+    want = [m for r in range(4) for m in modes[r:] + modes[:r]] + [None]
+    assert installed == want
     assert list(times) == [name for name, _, _ in price.TRAINERS]
     assert all(len(t) == 3 and min(t) > 0 for t in times.values())
     assert (precision.TensorCoreMatmuls, model.apply_rope, model.GPT.forward) == original
