@@ -12,7 +12,7 @@ import sites
 
 @pytest.fixture
 def restore(monkeypatch):
-    """sites.use installs three names and the mode for the process: put them back afterwards."""
+    """sites.use(None) puts its three names back but leaves the mode set: put that back too."""
     monkeypatch.setattr(sites.SiteRounding, "mode", sites.SiteRounding.mode)
 
 
