@@ -127,7 +127,7 @@ def round_bits(x, mode):
     out = bits & 0xFFFFFFFF
     out = torch.where(out >= 2 ** 31, out - 2 ** 32, out).to(torch.int32).view(torch.float32)
     # NaN in, quiet NaN out: the adds above could carry a payload into the exponent or sign
-    return torch.where(x.isnan(), torch.full_like(out, float("nan")), out)
+    return out.masked_fill_(x.isnan(), float("nan"))  # as trunc's
 
 def round_to_bf16(x, mode):
     """A float32 tensor rounded to bf16 in `mode` (rne: torch's cast)."""
