@@ -93,12 +93,13 @@ for _plan, _step in (("swap", SWAP_STEP), ("swap-late", LATE_SWAP)):
 # zero-mean modes of truncation's size on the trainer's side. Where it truncates: the chip's bf16
 # and bf16-aligned, then the trainer truncating like its engine and rne6. On a chip whose own
 # library rounds, the same two against its truncating library forced (bf16-trunc's control), and
-# sym, rne6's redraw, nudge, the neutral change (symredraw.md), and nudge8, nudge16, nudge3of16 and
-# nudge3of8, its doses (nudgedose.md, nudgedose316.md, nudgedose-amd.md), and nudge at the trainer's
-# matmuls instead of the two sites (matmulnudge.md), sym at the LM head alone and the nudge at the
-# blocks' linears alone (headnudge.md), and the cheap fix's sign with a zero-mean step added, 1 or 2
-# ulp (truncpm-amd.md); without AMX the four modes against its own library (bf16's control). nudge
-# and the blocks' nudge against the rounding engine too (AMX hidden: their cost).
+# sym, rne6's redraw, nudge, the neutral change (symredraw.md), and nudge8, nudge16, nudge3of16,
+# nudge3of8 and nudge7of16, its doses (nudgedose.md, nudgedose316.md, nudgedose-amd.md), and nudge
+# at the trainer's matmuls instead of the two sites (matmulnudge.md), sym at the LM head alone and
+# the nudge at the blocks' linears alone (headnudge.md), and the cheap fix's sign with a zero-mean
+# step added, 1 or 2 ulp (truncpm-amd.md); without AMX the four modes against its own library
+# (bf16's control). nudge and the blocks' nudge against the rounding engine too (AMX hidden: their
+# cost).
 PLANS["sites"] = [("gspo-engine", ["bf16-noamx", *(f"bf16-noamx-site-{m}" for m in SITE_MODES),
                                    "bf16-noamx-site-nudge", "bf16-noamx-blocks-nudge",
                                    "bf16", "bf16-aligned", *(f"bf16-site-{m}" for m in SITE_MODES),
@@ -107,7 +108,7 @@ PLANS["sites"] = [("gspo-engine", ["bf16-noamx", *(f"bf16-noamx-site-{m}" for m 
                                    "bf16-trunc-site-nudge", "bf16-trunc-site-nudge8",
                                    "bf16-trunc-site-nudge16",
                                    "bf16-trunc-site-nudge3of16", "bf16-trunc-site-nudge3of8",
-                                   "bf16-trunc-matmul-nudge",
+                                   "bf16-trunc-site-nudge7of16", "bf16-trunc-matmul-nudge",
                                    "bf16-trunc-head-sym", "bf16-trunc-blocks-nudge",
                                    "bf16-trunc-site-truncpm", "bf16-trunc-site-truncpm2"])]
 # Then grpo for the variants that fell in gspo-engine (sites.md), five seeds, with their control;

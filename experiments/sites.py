@@ -17,6 +17,7 @@ cast's: the gradient cast back to float32, unchanged):
     nudge16     to nearest, pushed 1/16 ulp either way by hash   0                 65/256 ulp
     nudge3of16  to nearest, pushed 3/16 ulp either way by hash   0                 73/256 ulp
     nudge3of8   to nearest, pushed 3/8 ulp either way by hash    0                 25/64 ulp
+    nudge7of16  to nearest, pushed 7/16 ulp either way by hash   0                 113/256 ulp
     truncpm     toward zero, then 1 ulp up or down by hash       -1/2 ulp (size)   1 ulp
     truncpm2    toward zero, then 2 ulp up or down by hash       -1/2 ulp (size)   2 ulp
 
@@ -38,7 +39,7 @@ within 1/4 ulp of a tie, pushed across it by the coin), so 1.25x rne's error: th
 drawn again at about its own error size. A push of p ulp moves a share p of the values and adds
 p^2 ulp to the mean |error|: its doses, nudge8 and nudge16, move 1/8 and 1/16 of them at 1.06x
 and 1.016x rne's error (nudgedose.md), nudge3of16 3/16 of them at 1.14x (nudgedose316.md),
-nudge3of8 3/8 of them at 1.56x (nudgedose-amd.md).
+nudge3of8 and nudge7of16 3/8 and 7/16 of them at 1.56x and 1.77x (nudgedose-amd.md).
 truncpm and truncpm2 keep truncation's one-signed error and add a zero-mean step: against a
 truncating engine, the cheap fix's sign with a larger mismatch (truncpm-amd.md). Zero,
 values below the step and infinities do not move (no step crosses zero or into NaN).

@@ -171,7 +171,7 @@ LIBRARY_SWAPS = [add_swap(_before, _after, _short, _step, _suffix)
 SITE_MODES = ("trunc", "away", "rne6", "sym")  # plan sites' four, one mean |error| at the op
 # nudge's pushes, in ulp: rne's rule with the value pushed that far either way first (sites.py)
 NUDGE_PUSH = {"nudge": 1 / 4, "nudge8": 1 / 8, "nudge16": 1 / 16, "nudge3of16": 3 / 16,
-              "nudge3of8": 3 / 8}
+              "nudge3of8": 3 / 8, "nudge7of16": 7 / 16}
 # truncpm's steps, in ulp: truncation's rule, then that far up or down in size by the coin, so
 # truncation's one-signed error kept and a zero-mean one added against a truncating engine
 TRUNC_STEP = {"truncpm": 1, "truncpm2": 2}
@@ -209,10 +209,12 @@ add(Variant("bf16-site-rne5", BF16, site_rounding="rne5", lacks=("amx_tile",),
 # the neutral change, rne's rule with a quarter of the values a step the other way; nudge8 and
 # nudge16 its doses (nudgedose.md), an eighth and a sixteenth of them: where does the lift start?
 # nudge3of16, 3/16 of them (nudgedose316.md): between an eighth and a quarter, a grade or a step?
-# nudge3of8, 3/8 of them (nudgedose-amd.md): where a quarter did not lift and sym's half did.
+# nudge3of8, 3/8 of them (nudgedose-amd.md): where a quarter did not lift and sym's half did;
+# nudge7of16, 7/16 of them (the same page): between 3/8 and a half, where the lift came.
 for _mode, _color in (("trunc", "teal"), ("rne6", "navy"), ("sym", "cadetblue"),
                       ("nudge", "darkkhaki"), ("nudge8", "darkorange"), ("nudge16", "goldenrod"),
-                      ("nudge3of16", "peru"), ("nudge3of8", "sienna")):
+                      ("nudge3of16", "peru"), ("nudge3of8", "sienna"),
+                      ("nudge7of16", "saddlebrown")):
     add(Variant(f"bf16-trunc-site-{_mode}", BF16, library=TRUNCATING, site_rounding=_mode,
                 needs=("avx512_bf16",), color=_color))
 # The cheap fix's sign kept, its size undone (truncpm-amd.md): the trainer truncating like its

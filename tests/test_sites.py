@@ -72,12 +72,14 @@ def test_each_modes_error_has_the_tables_mean_and_mean_abs():
     them by 1/2, rne6 and sym leave them unbiased; rne5, the size dial, 1 ulp and unbiased;
     nudge, the neutral change, 5/16 and unbiased, a quarter of the values off rne's; its doses,
     nudge8 17/64 (17/16 of rne's), an eighth off, nudge16 65/256 (65/64), a sixteenth off, and
-    nudge3of16 73/256 (73/64), 3/16 off, and nudge3of8 25/64 (25/16), 3/8 off."""
+    nudge3of16 73/256 (73/64), 3/16 off, nudge3of8 25/64 (25/16), 3/8 off, and nudge7of16
+    113/256 (113/64), 7/16 off."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(10 ** 6, generator=g) * torch.exp(2 * torch.randn(10 ** 6, generator=g))
     ulp = torch.pow(2.0, torch.floor(torch.log2(x.abs())) - 7)
     doses = {"nudge": (1 / 4, 5 / 16), "nudge8": (1 / 8, 17 / 64), "nudge16": (1 / 16, 65 / 256),
-             "nudge3of16": (3 / 16, 73 / 256), "nudge3of8": (3 / 8, 25 / 64)}  # share, mean |error|
+             "nudge3of16": (3 / 16, 73 / 256), "nudge3of8": (3 / 8, 25 / 64),
+             "nudge7of16": (7 / 16, 113 / 256)}  # share, mean |error|
     want = {"rne": (0.0, 0.25), "trunc": (-0.5, 0.5), "away": (0.5, 0.5), "rne6": (0.0, 0.5),
             "sym": (0.0, 0.5), "rne5": (0.0, 1.0), **{m: (0.0, e) for m, (_, e) in doses.items()}}
     for mode, (size, mean_abs) in want.items():
