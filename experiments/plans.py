@@ -169,6 +169,11 @@ PLANS["scale-embed32"] = [("gspo-engine-x8", ["bf16-trunc", "bf16-trunc-embed32"
 # beside plan scale's (or scale-own's) bf16-trunc and the cheap fix (where it ran, they are there).
 PLANS["scale-truncpm2"] = [("gspo-engine-x8", ["bf16-trunc", "bf16-trunc-site-trunc",
                                                "bf16-trunc-site-truncpm2"])]
+# A zero-mean rounding at the two sites against the truncating library forced on the larger GPT
+# (scale-sym.md): sym lifted the 0.9M GPT's falls from 12 to 4 of 16 on the AMD EPYC; at 7M,
+# beside the same bf16-trunc and the cheap fix (where they ran, they are there).
+PLANS["scale-sym"] = [("gspo-engine-x8", ["bf16-trunc", "bf16-trunc-site-trunc",
+                                          "bf16-trunc-site-sym"])]
 
 def probed(name):
     """Whether mismatch.py --quick reads a run's policy: a PROBED arm's run of a probed variant

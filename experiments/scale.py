@@ -19,7 +19,8 @@ trainer and the trainer's rounding at the two sites beside the chip's bf16, scal
 scale-grpo: vanilla GRPO, arms grpo-x8 and grpo, scale-grpo.md; scale-grpo-trunc, the same
 with the engine's truncating library forced; scale-embed32, the CPU trainer's embedding backward
 summed in float32 against that library, embed32.md; scale-truncpm2, the cheap fix's sign with a
-2-ulp zero-mean step added against that library, scale-truncpm2.md):
+2-ulp zero-mean step added against that library, scale-truncpm2.md; scale-sym, a zero-mean
+rounding of truncation's size at the op against that library, scale-sym.md):
 
     nohup python experiments/campaign.py --plan scale --seeds 0 1 2 3 4 > runs/scale.log &
     python experiments/scale.py $M --seeds 0 1 2 3 4 --out figures/scale-intel-amx.png
@@ -32,7 +33,7 @@ on the rows before its step (sites_figure.print_growth). The figure: a panel per
 seed's held-out by variant, a dot sized by that run's step-0 mean |d|. --arms reads one arm
 alone (its numbers as beside the other); --warm-starts reads both, a seed's row the pair.
 Pages: experiments/scale.md, scale-fp16.md, scale-sites.md, scale-rne5.md, scale-grpo.md,
-embed32.md, scale-truncpm2.md.
+embed32.md, scale-truncpm2.md, scale-sym.md.
 """
 import os
 import subprocess
@@ -88,7 +89,13 @@ FAMILIES = {"scale": rounding_family("bf16-noamx"), "scale-own": rounding_family
             "scale-truncpm2": ([("bf16-trunc-site-trunc", "bf16-trunc"),
                                 ("bf16-trunc-site-truncpm2", "bf16-trunc")],
                                [("bf16-trunc-site-truncpm2", "bf16-trunc"),
-                                ("bf16-trunc-site-truncpm2", "bf16-trunc-site-trunc")])}
+                                ("bf16-trunc-site-truncpm2", "bf16-trunc-site-trunc")]),
+            # a zero-mean rounding of truncation's size at the op against bf16-trunc, and the
+            # cheap fix (the sign matched) against it; sym's size against both (scale-sym.md)
+            "scale-sym": ([("bf16-trunc-site-sym", "bf16-trunc"),
+                           ("bf16-trunc-site-trunc", "bf16-trunc-site-sym")],
+                          [("bf16-trunc-site-sym", "bf16-trunc"),
+                           ("bf16-trunc-site-sym", "bf16-trunc-site-trunc")])}
 
 def step0_ratios(cells, pairs):
     """Each pair's step-0 mean |d|, the first's over the second's, seed by seed: mean, range."""
@@ -214,8 +221,9 @@ def main(argv=None):
                         "(a zero-mean error larger than rne6's), scale-grpo (vanilla GRPO, "
                         "grpo-x8 beside grpo), scale-grpo-trunc (the same, the engine "
                         "truncating), scale-embed32 (the CPU trainer's embedding backward "
-                        "in float32, the engine truncating) or scale-truncpm2 (the cheap "
-                        "fix's sign, a 2-ulp zero-mean step added)")
+                        "in float32, the engine truncating), scale-truncpm2 (the cheap "
+                        "fix's sign, a 2-ulp zero-mean step added) or scale-sym (a zero-mean "
+                        "rounding, the engine truncating)")
     args = parse_runs(p, argv)
     if args.warm_starts and args.arms:  # a seed's row sets the larger beside the smaller
         refuse("--warm-starts reads both arms' warm starts: drop --arms")

@@ -16,7 +16,8 @@ RECORDS = {"bf16-noamx": {"kernel_library": "_C", "amx_hidden": True},
            "bf16-aligned": {"trainer_kernels": "engine"},  # relabel's targets below
            "bf16-site-trunc": {"site_rounding": "trunc"}, "bf16-site-rne5": {"site_rounding": "rne5"},
            "bf16-trunc-site-truncpm2": {"kernel_library": "_C_AVX512",
-                                        "site_rounding": "truncpm2"}}
+                                        "site_rounding": "truncpm2"},
+           "bf16-trunc-site-sym": {"kernel_library": "_C_AVX512", "site_rounding": "sym"}}
 HELDOUT = {"gspo-engine": {"bf16-noamx": [0.95, 0.96, 0.94], "bf16-trunc": [0.2, 0.9, 0.3],
                            "bf16-trunc-site-trunc": [0.96, 0.95, 0.95]},
            "gspo-engine-x8": {"bf16-noamx": [0.97, 0.96, 0.98], "bf16-trunc": [0.96, 0.1, 0.97]}}
@@ -210,26 +211,29 @@ def test_plan_scale_rne5_reads_the_size_dial_against_bf16_alone_and_its_size_ove
     assert ratios["bf16-site-rne5 / bf16"]["range"] == pytest.approx([2.0, 2.0])
 
 
-def test_plan_scale_truncpm2_reads_the_cheap_fix_and_truncpm2_against_bf16_trunc(tmp_path):
-    """Plan scale-truncpm2: the cheap fix and truncpm2 each against bf16-trunc by hand, Holm over
-    the two, and truncpm2's step-0 size over bf16-trunc's and the cheap fix's (set at 3x both);
-    on the larger GPT, which has no cheap fix here, truncpm2's one contrast alone."""
-    root = relabel(folder(str(tmp_path)), "bf16-noamx", "bf16-trunc-site-truncpm2", m0=3e-4)
-    out = scale.read(root, None, "scale-truncpm2")["arms"]
+@pytest.mark.parametrize("plan, mode, other", [
+    ("scale-truncpm2", "truncpm2", ("bf16-trunc-site-trunc", "bf16-trunc")),
+    ("scale-sym", "sym", ("bf16-trunc-site-trunc", "bf16-trunc-site-sym"))])
+def test_scale_truncpm2_and_sym_read_the_mode_against_bf16_trunc(tmp_path, plan, mode, other):
+    """Plans scale-truncpm2 and scale-sym: the mode against bf16-trunc by hand, Holm over it and
+    the plan's other contrast (truncpm2's: the cheap fix against bf16-trunc; sym's: the cheap fix
+    against sym, +0.01, -0.01, +0.01, p 1), and the mode's step-0 size over bf16-trunc's and the
+    cheap fix's (set at 3x both); on the larger GPT, which has no cheap fix here, one contrast."""
+    new = f"bf16-trunc-site-{mode}"
+    root = relabel(folder(str(tmp_path)), "bf16-noamx", new, m0=3e-4)
+    out = scale.read(root, None, plan)["arms"]
     small, large = out["gspo-engine"], out["gspo-engine-x8"]
-    assert list(small["variants"]) == ["bf16-trunc", "bf16-trunc-site-trunc",
-                                       "bf16-trunc-site-truncpm2"]
+    assert list(small["variants"]) == ["bf16-trunc", "bf16-trunc-site-trunc", new]
     pairs = {(t["a"], t["b"]): t for t in small["contrasts"]}
-    step = pairs[("bf16-trunc-site-truncpm2", "bf16-trunc")]  # +0.75, +0.06, +0.64
+    step = pairs[(new, "bf16-trunc")]  # +0.75, +0.06, +0.64
     assert step["mean"] == pytest.approx(1.45 / 3) and step["p_sign_flip"] == 0.25
     assert step["tests_in_table"] == 2 and step["p_holm"] == pytest.approx(0.5)
-    assert ("bf16-trunc-site-trunc", "bf16-trunc") in pairs
+    assert other in pairs and set(pairs) == {(new, "bf16-trunc"), other}
     for below in ("bf16-trunc", "bf16-trunc-site-trunc"):
-        ratio = small["step0_ratios"][f"bf16-trunc-site-truncpm2 / {below}"]
+        ratio = small["step0_ratios"][f"{new} / {below}"]
         assert ratio["mean"] == pytest.approx(3.0) and ratio["range"] == pytest.approx([3.0, 3.0])
     (only,) = large["contrasts"]  # +0.01, +0.86, +0.01
-    assert (only["a"], only["b"], only["tests_in_table"]) == ("bf16-trunc-site-truncpm2",
-                                                              "bf16-trunc", 1)
+    assert (only["a"], only["b"], only["tests_in_table"]) == (new, "bf16-trunc", 1)
     assert only["mean"] == pytest.approx(0.88 / 3)
 
 
