@@ -211,14 +211,16 @@ def test_plan_scale_rne5_reads_the_size_dial_against_bf16_alone_and_its_size_ove
     assert ratios["bf16-site-rne5 / bf16"]["range"] == pytest.approx([2.0, 2.0])
 
 
-@pytest.mark.parametrize("plan, mode, other", [
-    ("scale-truncpm2", "truncpm2", ("bf16-trunc-site-trunc", "bf16-trunc")),
-    ("scale-sym", "sym", ("bf16-trunc-site-trunc", "bf16-trunc-site-sym"))])
-def test_scale_truncpm2_and_sym_read_the_mode_against_bf16_trunc(tmp_path, plan, mode, other):
+@pytest.mark.parametrize("plan, mode, other, other_mean", [
+    ("scale-truncpm2", "truncpm2", ("bf16-trunc-site-trunc", "bf16-trunc"), 1.46 / 3),
+    ("scale-sym", "sym", ("bf16-trunc-site-trunc", "bf16-trunc-site-sym"), 0.01 / 3)])
+def test_scale_truncpm2_and_sym_read_the_mode_against_bf16_trunc(tmp_path, plan, mode, other,
+                                                                  other_mean):
     """Plans scale-truncpm2 and scale-sym: the mode against bf16-trunc by hand, Holm over it and
-    the plan's other contrast (truncpm2's: the cheap fix against bf16-trunc; sym's: the cheap fix
-    against sym, +0.01, -0.01, +0.01, p 1), and the mode's step-0 size over bf16-trunc's and the
-    cheap fix's (set at 3x both); on the larger GPT, which has no cheap fix here, one contrast."""
+    the plan's other contrast (truncpm2's: the cheap fix against bf16-trunc, +0.76, +0.05, +0.65;
+    sym's: the cheap fix against sym, +0.01, -0.01, +0.01), and the mode's step-0 size over
+    bf16-trunc's and the cheap fix's (set at 3x both); on the larger GPT, which has no cheap fix
+    here, one contrast."""
     new = f"bf16-trunc-site-{mode}"
     root = relabel(folder(str(tmp_path)), "bf16-noamx", new, m0=3e-4)
     out = scale.read(root, None, plan)["arms"]
@@ -229,6 +231,7 @@ def test_scale_truncpm2_and_sym_read_the_mode_against_bf16_trunc(tmp_path, plan,
     assert step["mean"] == pytest.approx(1.45 / 3) and step["p_sign_flip"] == 0.25
     assert step["tests_in_table"] == 2 and step["p_holm"] == pytest.approx(0.5)
     assert other in pairs and set(pairs) == {(new, "bf16-trunc"), other}
+    assert pairs[other]["mean"] == pytest.approx(other_mean)
     for below in ("bf16-trunc", "bf16-trunc-site-trunc"):
         ratio = small["step0_ratios"][f"{new} / {below}"]
         assert ratio["mean"] == pytest.approx(3.0) and ratio["range"] == pytest.approx([3.0, 3.0])
