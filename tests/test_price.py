@@ -26,6 +26,10 @@ def test_ratios_pair_each_round_and_the_arithmetic_is_trunc_over_the_hooks():
     assert out["bf16-site-rne / bf16"] == pytest.approx([1.1, 1.1, 1.1])
     assert out["bf16-aligned / bf16"] == pytest.approx([0.5, 0.5, 0.5])
     assert out["bf16-site-trunc / bf16-site-rne"] == pytest.approx([2 / 1.1, 1.5 / 1.1, 2 / 1.1])
+    times["bf16-site-sym"] = times.pop("bf16-site-trunc")  # --mode sym: its arithmetic, read so
+    sym = price.ratios(times, "sym")
+    assert sym["bf16-site-sym / bf16-site-rne"] == out["bf16-site-trunc / bf16-site-rne"]
+    assert "bf16-site-trunc / bf16-site-rne" not in sym
 
 
 def test_time_rounds_times_each_trainer_every_round_in_turn_and_restores_the_trainer(restore,
@@ -38,10 +42,11 @@ def test_time_rounds_times_each_trainer_every_round_in_turn_and_restores_the_tra
     original = (precision.TensorCoreMatmuls, model.apply_rope, model.GPT.forward)
     installed, use = [], sites.use
     monkeypatch.setattr(sites, "use", lambda mode: installed.append(mode) or use(mode))
-    times = price.time_rounds(gpt, idx, price.TRAINERS, 3)
-    modes = [m for _, m, _ in price.TRAINERS]  # None, rne, trunc, None
+    trainers = price.trainers("sym")
+    times = price.time_rounds(gpt, idx, trainers, 3)
+    modes = [m for _, m, _ in trainers]  # None, rne, sym, None
     want = [m for r in range(4) for m in modes[r:] + modes[:r]] + [None]
-    assert installed == want
-    assert list(times) == [name for name, _, _ in price.TRAINERS]
+    assert installed == want and modes[2] == "sym" and price.TRAINERS[2][1] == "trunc"
+    assert list(times) == [name for name, _, _ in trainers]
     assert all(len(t) == 3 and min(t) > 0 for t in times.values())
     assert (precision.TensorCoreMatmuls, model.apply_rope, model.GPT.forward) == original
