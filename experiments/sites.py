@@ -83,7 +83,7 @@ from variants import AT_MATMULS, NUDGE_PUSH, SITE_MODES, SITE_ROUNDING as MODES,
 
 LOW = 0xFFFF  # the 16 bits a bf16 drops from a float32
 KEPT = {"rne6": 6, "rne5": 5}  # the to-nearest modes' kept mantissa bits (a bf16 keeps 7)
-HASH = 0x9E3779B1  # Knuth's multiplicative hash: the coin, a function of the value alone
+HASH = 0x9E3779B1 - 2 ** 32  # Knuth's multiplicative hash, the signed int32 of its pattern
 # the push in the 16 dropped bits, whose range is one ulp (a quarter: 0x4000), exact for these
 NUDGE = {mode: int(push * (LOW + 1)) for mode, push in NUDGE_PUSH.items()}
 STEP = {mode: step * (LOW + 1) for mode, step in TRUNC_STEP.items()}  # truncpm's, in the pattern
@@ -94,8 +94,9 @@ ACTIVE = []  # the mode while the 16-bit trainer runs (SiteRounding); empty: rne
 HEADS = []  # the LM head's weight while a GPT's forward runs (marked_forward)
 
 def coin(bits):
-    """sym's, nudge's and truncpm's coin: the top bit of the pattern times HASH, half each way."""
-    return (((bits * HASH) & 0xFFFFFFFF) >> 31) == 1
+    """sym's, nudge's and truncpm's coin: the top bit of the pattern times HASH, half each way
+    (int32's product wraps to the low 32 bits: the top bit set is a negative product)."""
+    return bits * HASH < 0
 
 def to_nearest(bits, drop):
     """A bit pattern rounded to nearest at `drop` dropped low bits, ties to even."""
@@ -103,32 +104,34 @@ def to_nearest(bits, drop):
     return (bits + (1 << (drop - 1)) - 1 + lsb) & ~((1 << drop) - 1)
 
 def round_bits(x, mode):
-    """float32 -> float32 holding a bf16 value, rounded in `mode` on the bit pattern
-    (sign-magnitude: adding to the pattern grows the magnitude, either sign)."""
-    if mode == "trunc":  # the cheap fix: an and, nothing carries, so int32 does (no int64 copy)
-        out = (x.float().contiguous().view(torch.int32) & ~LOW).view(torch.float32)
-        return out.masked_fill_(x.isnan(), float("nan"))  # a payload in the low bits: not inf
-    bits = x.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # adds carry
-    if mode in KEPT:  # drop 23 - kept bits to nearest: a bf16, its last bits 0
+    """float32 -> float32 holding a bf16 value, rounded in `mode` on the int32 bit pattern
+    (sign-magnitude: adding to the pattern grows the magnitude, either sign). The adds wrap at
+    32 bits, as wider sums masked to 32 would; a choice is torch.where on int32 (a bool times a
+    Python int would widen to int64, and cost about a quarter of the trainer's time: price.md)."""
+    bits = x.float().contiguous().view(torch.int32)
+    if mode == "trunc":  # the cheap fix: an and, nothing carries
+        bits = bits & ~LOW
+    elif mode in KEPT:  # drop 23 - kept bits to nearest: a bf16, its last bits 0
         bits = to_nearest(bits, 23 - KEPT[mode])
     elif mode in NUDGE:  # +-the push, then to nearest, ties to even: still a bf16 neighbour
         push = NUDGE[mode]
-        bits = to_nearest(bits + torch.where(coin(bits), push, -push), 16)
+        bits = to_nearest(torch.where(coin(bits), bits + push, bits - push), 16)
     elif mode in STEP:  # toward zero, then the step up or down in size by the coin
-        step, size = STEP[mode], bits & ~LOW & 0x7FFFFFFF
+        step, low = STEP[mode], bits & ~LOW
+        size = low & 0x7FFFFFFF
         moves = (size >= step) & (size < EXPONENT)  # never across zero, never off infinity
-        bits = (bits & ~LOW) + moves * torch.where(coin(bits), step, -step)
+        stepped = torch.where(coin(bits), low + step, low - step)
+        bits = torch.where(moves, stepped, low)
     elif mode in ("away", "sym"):  # up one bf16 step wherever a low bit is set; sym: half
         up = (bits & LOW) != 0
         if mode == "sym":
             up &= coin(bits)
-        bits = (bits & ~LOW) + up * (LOW + 1)
+        bits = torch.where(up, (bits & ~LOW) + (LOW + 1), bits & ~LOW)
     else:  # rne is torch's cast; a matmul mode names where its rule acts, not a rule
         raise ValueError(f"round_bits: no rule {mode!r}")
-    out = bits & 0xFFFFFFFF
-    out = torch.where(out >= 2 ** 31, out - 2 ** 32, out).to(torch.int32).view(torch.float32)
-    # NaN in, quiet NaN out: the adds above could carry a payload into the exponent or sign
-    return out.masked_fill_(x.isnan(), float("nan"))  # as trunc's
+    # NaN in, quiet NaN out: an add could carry a payload into the exponent or sign, and
+    # truncation would turn a payload in the low bits into an infinity
+    return bits.view(torch.float32).masked_fill_(x.isnan(), float("nan"))
 
 def round_to_bf16(x, mode):
     """A float32 tensor rounded to bf16 in `mode` (rne: torch's cast)."""

@@ -66,6 +66,65 @@ def test_trunc_clears_the_low_16_bits_of_every_kind_of_pattern():
     assert np.isnan(out.view(np.float32)[nan]).all()
 
 
+def as_it_was(pats, mode):
+    """sites.round_bits's arithmetic as it was before the int32 form, in NumPy on uint64
+    patterns: each pattern widened, the adds carried, the result masked to 32 bits. The modes'
+    constants are sites.py's; the arithmetic is written again here, not shared."""
+    b, low, wide = pats.astype(np.uint64), np.uint64(0xFFFF), np.uint64(2 ** 64 - 1)
+    u = np.uint64
+
+    def coin(b):  # the top bit of the low 32 of the pattern times Knuth's hash
+        return ((b * u(0x9E3779B1)) & u(0xFFFFFFFF)) >> u(31) == 1
+
+    def to_nearest(b, drop):
+        lsb = (b >> u(drop)) & u(1)
+        return (b + u((1 << (drop - 1)) - 1) + lsb) & (wide ^ u((1 << drop) - 1))
+
+    kept = b & (wide ^ low)
+    if mode == "trunc":
+        b = kept
+    elif mode in sites.KEPT:
+        b = to_nearest(b, 23 - sites.KEPT[mode])
+    elif mode in sites.NUDGE:
+        push = u(sites.NUDGE[mode])
+        b = to_nearest(np.where(coin(b), b + push, b - push), 16)
+    elif mode in sites.STEP:
+        step, size = u(sites.STEP[mode]), kept & u(0x7FFFFFFF)
+        moves = (size >= step) & (size < u(0x7F800000))
+        b = np.where(moves, np.where(coin(b), kept + step, kept - step), kept)
+    else:  # away, sym
+        up = (b & low) != 0
+        up &= coin(b) if mode == "sym" else True
+        b = np.where(up, kept + u(0x10000), kept)
+    return (b & u(0xFFFFFFFF)).astype(np.uint32)
+
+
+def test_every_rule_on_the_int32_pattern_equals_its_wider_arithmetic_and_never_widens():
+    """Each rule but rne against as_it_was on 2^22 random bit patterns and the edges (signed
+    zeros, subnormals, the largest finite values, infinities, NaN payloads): every value's bits
+    equal, every NaN a NaN. And no tensor the rule makes is int64 (the int32 form's price)."""
+    pats = np.random.default_rng(2).integers(0, 2 ** 32, 2 ** 22, dtype=np.uint64)
+    edges = [0, 0x80000000, 1, 0x80000001, 0x8000FFFF, 0x00008000, 0x80008000, 0x007FFFFF,
+             0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x7F800000, 0xFF800000, 0x7F800001, 0xFFFFFFFF]
+    pats = np.concatenate([pats, edges]).astype(np.uint32)
+    nan = np.isnan(pats.view(np.float32))
+    x = torch.from_numpy(pats.view(np.float32))
+    seen = set()
+
+    class Dtypes(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen.update([out.dtype] if isinstance(out, torch.Tensor) else [])
+            return out
+
+    for mode in [m for m in sites.RULES if m != "rne"]:
+        with Dtypes():
+            out = sites.round_bits(x, mode).numpy().view(np.uint32)
+        assert (out[~nan] == as_it_was(pats, mode)[~nan]).all(), mode
+        assert np.isnan(out.view(np.float32)[nan]).all(), mode
+    assert torch.int32 in seen and torch.int64 not in seen
+
+
 def test_each_modes_error_has_the_tables_mean_and_mean_abs():
     """On 10^6 random floats spread over magnitudes, in ulps of bf16 at each value: rne 1/4 ulp
     of |error|, every other mode 1/2; trunc shrinks sizes by 1/2 ulp on average, away grows
