@@ -87,7 +87,8 @@ def main(argv=None):
     if args.json:
         init = {"checkpoint": args.init} if args.init else {}
         common.write_json(args.json, {"machine": machine(), "seed": args.seed, **init,
-                                      "mode": args.mode, "rounds": args.rounds, "seconds": times, "ratios": out})
+                                      "mode": args.mode, "rounds": args.rounds,
+                                      "seconds": times, "ratios": out})
     return out
 
 if __name__ == "__main__":
