@@ -20,6 +20,7 @@ cast's: the gradient cast back to float32, unchanged):
     nudge7of16  to nearest, pushed 7/16 ulp either way by hash   0                 113/256 ulp
     truncpm     toward zero, then 1 ulp up or down by hash       -1/2 ulp (size)   1 ulp
     truncpm2    toward zero, then 2 ulp up or down by hash       -1/2 ulp (size)   2 ulp
+    trunc1of2   toward zero at half the values by hash, else rne -1/4 ulp (size)   3/8 ulp
 
 and modes that leave the two sites at rne and round elsewhere, where the engine's linears round
 to nearest too (AT_MATMULS): nudge-matmuls, nudge's rule at the output of every matmul of the
@@ -42,7 +43,8 @@ and 1.016x rne's error (nudgedose.md), nudge3of16 3/16 of them at 1.14x (nudgedo
 nudge3of8 and nudge7of16 3/8 and 7/16 of them at 1.56x and 1.77x (nudgedose-amd.md).
 truncpm and truncpm2 keep truncation's one-signed error and add a zero-mean step: against a
 truncating engine, the cheap fix's sign with a larger mismatch (truncpm-amd.md). Zero,
-values below the step and infinities do not move (no step crosses zero or into NaN).
+values below the step and infinities do not move (no step crosses zero or into NaN). trunc1of2
+is the cheap fix's dose: its rule at half the values, rne's at the rest (truncdose-amd.md).
 
     python experiments/campaign.py --arms gspo-engine --variants bf16-site-trunc --seeds 0 1
 
@@ -54,8 +56,7 @@ NaN (quiet), infinities stay infinite. The cheap fix's price, a timing (the camp
 
     python experiments/sites.py --cost --json results/MACHINE/sites/cost.json
 
-(--init CKPT: another checkpoint's price, the 7M GPT's warm start for one; price.py: the
-cheap fix's alone, over 20 rounds, with the spread.)
+(--init CKPT: another checkpoint's price; price.py: one mode's, over 20 rounds, the spread.)
 
 Where each mode's error grows in the trainer, block by block, against float32 (no engine):
 
@@ -79,7 +80,8 @@ import common  # first: it puts the core (model.py, precision.py) on the path
 import model
 import precision
 import rounding
-from variants import AT_MATMULS, NUDGE_PUSH, SITE_MODES, SITE_ROUNDING as MODES, TRUNC_STEP
+from variants import (AT_MATMULS, NUDGE_PUSH, SITE_MODES, SITE_ROUNDING as MODES, TRUNC_SHARE,
+                      TRUNC_STEP)
 
 LOW = 0xFFFF  # the 16 bits a bf16 drops from a float32
 KEPT = {"rne6": 6, "rne5": 5}  # the to-nearest modes' kept mantissa bits (a bf16 keeps 7)
@@ -87,6 +89,7 @@ HASH = 0x9E3779B1 - 2 ** 32  # Knuth's multiplicative hash, the signed int32 of 
 # the push in the 16 dropped bits, whose range is one ulp (a quarter: 0x4000), exact for these
 NUDGE = {mode: int(push * (LOW + 1)) for mode, push in NUDGE_PUSH.items()}
 STEP = {mode: step * (LOW + 1) for mode, step in TRUNC_STEP.items()}  # truncpm's, in the pattern
+SHARE = {mode: int(p * (LOW + 1)) for mode, p in TRUNC_SHARE.items()}  # of the hash's top 16 bits
 EXPONENT = 0x7F800000  # an all-ones exponent: infinity or NaN
 RULES = tuple(m for m in MODES if m not in AT_MATMULS)  # round_to_bf16's; the rest are places
 LAYER_MODES = ("rne", *SITE_MODES, "rne5")  # --layers' modes unless --modes: its readings'
@@ -94,8 +97,8 @@ ACTIVE = []  # the mode while the 16-bit trainer runs (SiteRounding); empty: rne
 HEADS = []  # the LM head's weight while a GPT's forward runs (marked_forward)
 
 def coin(bits):
-    """sym's, nudge's and truncpm's coin: the top bit of the pattern times HASH, half each way
-    (int32's product wraps to the low 32 bits: the top bit set is a negative product)."""
+    """sym's, nudge's and truncpm's coin: the top bit of the pattern times HASH (int32's product
+    wraps to the low 32 bits: the top bit set is a negative product), half each way."""
     return bits * HASH < 0
 
 def to_nearest(bits, drop):
@@ -105,9 +108,7 @@ def to_nearest(bits, drop):
 
 def round_bits(x, mode):
     """float32 -> float32 holding a bf16 value, rounded in `mode` on the int32 bit pattern
-    (sign-magnitude: adding to the pattern grows the magnitude, either sign). The adds wrap at
-    32 bits, as wider sums masked to 32 would; a choice is torch.where on int32 (a bool times a
-    Python int would widen to int64, and cost about a quarter of the trainer's time: price.md)."""
+    (sign-magnitude: adding grows the magnitude); the adds wrap at 32 bits (price.md)."""
     bits = x.float().contiguous().view(torch.int32)
     if mode == "trunc":  # the cheap fix: an and, nothing carries
         bits = bits & ~LOW
@@ -122,6 +123,9 @@ def round_bits(x, mode):
         moves = (size >= step) & (size < EXPONENT)  # never across zero, never off infinity
         stepped = torch.where(coin(bits), low + step, low - step)
         bits = torch.where(moves, stepped, low)
+    elif mode in SHARE:  # truncation where the hash's top 16 bits fall below the share, else rne
+        cut = ((bits * HASH) >> 16 & LOW) < SHARE[mode]
+        bits = torch.where(cut, bits & ~LOW, to_nearest(bits, 16))
     elif mode in ("away", "sym"):  # up one bf16 step wherever a low bit is set; sym: half
         up = (bits & LOW) != 0
         if mode == "sym":
@@ -129,8 +133,7 @@ def round_bits(x, mode):
         bits = torch.where(up, (bits & ~LOW) + (LOW + 1), bits & ~LOW)
     else:  # rne is torch's cast; a matmul mode names where its rule acts, not a rule
         raise ValueError(f"round_bits: no rule {mode!r}")
-    # NaN in, quiet NaN out: an add could carry a payload into the exponent or sign, and
-    # truncation would turn a payload in the low bits into an infinity
+    # NaN in, quiet NaN out: an add could carry a payload off, truncation make it infinite
     return bits.view(torch.float32).masked_fill_(x.isnan(), float("nan"))
 
 def round_to_bf16(x, mode):
@@ -294,12 +297,9 @@ def combined(e_trainer, e_engine, d):
 
 def cost(seed=0, ckpt=None, rounds=4):
     """The cheap fix's price: seconds of one forward + backward of the bf16 trainer on 512
-    teacher-forced held-out sequences of seed's warm start, or of ckpt (256 problems, their
-    answers, twice), as it is, with each of plan sites' four site modes and with rne (the
-    hooks alone, torch's cast at the sites), and on the engine's kernels (aligned); rounds
-    over the modes after a warm-up round, each starting one mode later (price.time_rounds),
-    so drift hits every mode alike; the median of the rest (price.py: fewer trainers, more
-    rounds, the spread)."""
+    teacher-forced held-out sequences of seed's warm start or ckpt, as it is, with each of plan
+    sites' four modes, with rne (the hooks alone) and on the engine's kernels (aligned); rounds
+    after a warm-up, each starting one mode later (price.time_rounds), the median of the rest."""
     from price import time_rounds
 
     idx, _ = teacher_forced(seed)

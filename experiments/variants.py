@@ -175,6 +175,9 @@ NUDGE_PUSH = {"nudge": 1 / 4, "nudge8": 1 / 8, "nudge16": 1 / 16, "nudge3of16": 
 # truncpm's steps, in ulp: truncation's rule, then that far up or down in size by the coin, so
 # truncation's one-signed error kept and a zero-mean one added against a truncating engine
 TRUNC_STEP = {"truncpm": 1, "truncpm2": 2}
+# truncation's dose: the share of the values the trainer truncates like the engine (by the coin),
+# the rest to nearest: half of the cheap fix's sign matched, half of its one-signed error
+TRUNC_SHARE = {"trunc1of2": 1 / 2}
 # Modes that leave the two sites at rne and round the trainer's matmul outputs by a rule instead,
 # where the engine rounds to nearest too: mode -> (the rule, where: "every" matmul but the
 # attention's, the blocks' linears and the LM head, the "head" alone, or the "blocks'" linears
@@ -182,7 +185,8 @@ TRUNC_STEP = {"truncpm": 1, "truncpm2": 2}
 # before them; at the blocks alone, everything before the head, the head rounding to nearest.
 AT_MATMULS = {"nudge-matmuls": ("nudge", "every"), "nudge-head": ("nudge", "head"),
               "sym-head": ("sym", "head"), "nudge-blocks": ("nudge", "blocks")}
-SITE_ROUNDING = ("rne", *SITE_MODES, "rne5", *NUDGE_PUSH, *TRUNC_STEP, *AT_MATMULS)  # sites'
+SITE_ROUNDING = ("rne", *SITE_MODES, "rne5", *NUDGE_PUSH, *TRUNC_STEP, *TRUNC_SHARE,
+                 *AT_MATMULS)  # sites'
 SITE_COLORS = {"trunc": "chocolate", "away": "darkmagenta", "rne6": "mediumseagreen",
                "sym": "steelblue"}  # apart from bf16's red, which they are read against
 for _mode in SITE_MODES:
@@ -223,6 +227,9 @@ for _mode, _color in (("trunc", "teal"), ("rne6", "navy"), ("sym", "cadetblue"),
 for _mode, _color in (("truncpm", "lightseagreen"), ("truncpm2", "darkturquoise")):
     add(Variant(f"bf16-trunc-site-{_mode}", BF16, library=TRUNCATING, site_rounding=_mode,
                 needs=("avx512_bf16",), color=_color))
+# The cheap fix at half the values (truncdose-amd.md): its sign half matched. All or a grade?
+add(Variant("bf16-trunc-site-trunc1of2", BF16, library=TRUNCATING, site_rounding="trunc1of2",
+            needs=("avx512_bf16",), color="mediumaquamarine"))
 # nudge's rule at the trainer's matmul outputs, the two sites left at rne (matmulnudge.md): does
 # changing the forward where the engine rounds to nearest lift as nudge at the two sites did?
 add(Variant("bf16-trunc-matmul-nudge", BF16, library=TRUNCATING, site_rounding="nudge-matmuls",

@@ -68,13 +68,17 @@ def test_trunc_clears_the_low_16_bits_of_every_kind_of_pattern():
 
 def as_it_was(pats, mode):
     """sites.round_bits's arithmetic as it was before the int32 form, in NumPy on uint64
-    patterns: each pattern widened, the adds carried, the result masked to 32 bits. The modes'
-    constants are sites.py's; the arithmetic is written again here, not shared."""
+    patterns: each pattern widened, the adds carried, the result masked to 32 bits (trunc1of2,
+    which came after, written the same way). The modes' constants are sites.py's; the arithmetic
+    is written again here, not shared."""
     b, low, wide = pats.astype(np.uint64), np.uint64(0xFFFF), np.uint64(2 ** 64 - 1)
     u = np.uint64
 
-    def coin(b):  # the top bit of the low 32 of the pattern times Knuth's hash
-        return ((b * u(0x9E3779B1)) & u(0xFFFFFFFF)) >> u(31) == 1
+    def hashed(b):  # the low 32 bits of the pattern times Knuth's hash
+        return (b * u(0x9E3779B1)) & u(0xFFFFFFFF)
+
+    def coin(b):  # its top bit
+        return hashed(b) >> u(31) == 1
 
     def to_nearest(b, drop):
         lsb = (b >> u(drop)) & u(1)
@@ -92,6 +96,8 @@ def as_it_was(pats, mode):
         step, size = u(sites.STEP[mode]), kept & u(0x7FFFFFFF)
         moves = (size >= step) & (size < u(0x7F800000))
         b = np.where(moves, np.where(coin(b), kept + step, kept - step), kept)
+    elif mode in sites.SHARE:  # truncated where the hash's top 16 bits lie below the share
+        b = np.where(hashed(b) >> u(16) < u(sites.SHARE[mode]), kept, to_nearest(b, 16))
     else:  # away, sym
         up = (b & low) != 0
         up &= coin(b) if mode == "sym" else True
@@ -132,7 +138,8 @@ def test_each_modes_error_has_the_tables_mean_and_mean_abs():
     nudge, the neutral change, 5/16 and unbiased, a quarter of the values off rne's; its doses,
     nudge8 17/64 (17/16 of rne's), an eighth off, nudge16 65/256 (65/64), a sixteenth off, and
     nudge3of16 73/256 (73/64), 3/16 off, nudge3of8 25/64 (25/16), 3/8 off, and nudge7of16
-    113/256 (113/64), 7/16 off."""
+    113/256 (113/64), 7/16 off; trunc1of2, truncation at half the values and rne at the rest,
+    -1/4 ulp in size and 3/8 of |error|, each value one of the two, a quarter off each."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(10 ** 6, generator=g) * torch.exp(2 * torch.randn(10 ** 6, generator=g))
     ulp = torch.pow(2.0, torch.floor(torch.log2(x.abs())) - 7)
@@ -140,7 +147,8 @@ def test_each_modes_error_has_the_tables_mean_and_mean_abs():
              "nudge3of16": (3 / 16, 73 / 256), "nudge3of8": (3 / 8, 25 / 64),
              "nudge7of16": (7 / 16, 113 / 256)}  # share, mean |error|
     want = {"rne": (0.0, 0.25), "trunc": (-0.5, 0.5), "away": (0.5, 0.5), "rne6": (0.0, 0.5),
-            "sym": (0.0, 0.5), "rne5": (0.0, 1.0), **{m: (0.0, e) for m, (_, e) in doses.items()}}
+            "sym": (0.0, 0.5), "rne5": (0.0, 1.0), "trunc1of2": (-0.25, 0.375),
+            **{m: (0.0, e) for m, (_, e) in doses.items()}}
     rounded = {mode: sites.round_to_bf16(x, mode) for mode in want}  # each mode once
     error = {}  # each mode's mean |error| in ulp, read again below for nudge's ratios
     for mode, (size, mean_abs) in want.items():
@@ -150,6 +158,10 @@ def test_each_modes_error_has_the_tables_mean_and_mean_abs():
         assert error[mode].item() == pytest.approx(mean_abs, abs=0.01), mode
     up = rounded["sym"].float().abs() > x.abs()
     assert up.float().mean().item() == pytest.approx(0.5, abs=0.01)  # half each way
+    half = rounded["trunc1of2"]  # each value trunc's or rne's, a quarter off each
+    assert ((half == rounded["trunc"]) | (half == rounded["rne"])).all()
+    for mode in ("trunc", "rne"):
+        assert (half != rounded[mode]).float().mean().item() == pytest.approx(0.25, abs=0.01)
     for mode, (share, mean_abs) in doses.items():
         moved = rounded[mode] != rounded["rne"]
         assert moved.float().mean().item() == pytest.approx(share, abs=0.002), mode
