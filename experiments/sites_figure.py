@@ -85,13 +85,16 @@ def own_library(path):
         return None
     return "rounds" if "avx512_bf16" in isa else "truncates"
 
-def read(path, seeds, arm=ARM, variants=None):
+def read(path, seeds, arm=ARM, variants=None, contrasts=None):
+    """contrasts: (a, b) pairs, a minus b, Holm over them, in place of each variant's control."""
     runs, where = load_experiment(path, seeds, [arm], dial=False)
     found = runs.get(arm, {})
     cells = {v: cell_of(found[v]) for v in ORDER if v in found and v in (variants or ORDER)}
     if not cells:
         refuse(f"{path} holds no {arm} run of plan sites")
-    tests = holm_contrasts(cells, [(v, control_of(v)) for v in cells])
+    if unread := {v for pair in contrasts or () for v in pair} - set(cells):
+        refuse(f"--contrast: no runs read of {' '.join(sorted(unread))}")
+    tests = holm_contrasts(cells, contrasts or [(v, control_of(v)) for v in cells])
     return {"machine": where, "arm": arm, "fell_below": FELL, "variants": cells,
             "contrasts": tests, "overlap": overlap(cells, own_library(path))}
 
@@ -245,6 +248,8 @@ def main(argv=None):
     p.add_argument("--matched", nargs="?", const="sites", default=None, metavar="FOLDER",
                    help="the matched-size table alone, of PATH/FOLDER's readings (sites)")
     p.add_argument("--arm", default=ARM, choices=[ARM, "grpo"], help="plan sites, sites-grpo")
+    p.add_argument("--contrast", nargs=2, action="append", metavar=("A", "B"),
+                   help="A minus B, Holm over those given, in place of each one's control")
     args = parse_runs(p, argv)
     if args.matched:
         from common import write_json
@@ -252,7 +257,7 @@ def main(argv=None):
     if unknown := set(args.variants or ()) - set(ORDER):
         refuse(f"--variants: {' '.join(sorted(unknown))} in no plan sites, sites-grpo or "
                "embed32")
-    out = read(args.path, args.seeds, args.arm, args.variants)
+    out = read(args.path, args.seeds, args.arm, args.variants, args.contrast)
     print_read(out)
     save(figure(out), args.out, out)
 

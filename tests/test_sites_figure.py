@@ -142,6 +142,25 @@ def test_variants_read_those_records_alone_with_holm_over_their_contrasts(tmp_pa
     assert "bf16-site-nope" in capsys.readouterr().err
 
 
+def test_contrasts_named_replace_the_controls_with_holm_over_them(tmp_path, capsys):
+    """--contrast A B: A minus B for the pairs given alone. sym - trunc (+0.7, +0.05, +0.6: 2 of 8
+    sign flips reach +1.35, p 0.25) and trunc - the control (p 0.25): Holm over two, 0.5 each; a
+    contrast naming a variant not read is refused (exit 2) before any figure."""
+    root = folder(str(tmp_path / "runs"))
+    pairs = [("bf16-noamx-site-sym", "bf16-noamx-site-trunc"),
+             ("bf16-noamx-site-trunc", "bf16-noamx")]
+    out = sites_figure.read(root, None, contrasts=pairs)
+    tests = {(t["a"], t["b"]): t for t in out["contrasts"]}
+    assert list(tests) == pairs
+    sym = tests[pairs[0]]
+    assert sym["mean"] == pytest.approx(1.35 / 3) and sym["p_sign_flip"] == 0.25
+    assert all(t["tests_in_table"] == 2 and t["p_holm"] == pytest.approx(0.5) for t in tests.values())
+    with pytest.raises(SystemExit) as e:
+        sites_figure.main([root, "--variants", "bf16-noamx", "bf16-noamx-site-trunc", "--contrast",
+                           "bf16-noamx-site-sym", "bf16-noamx", "--out", str(tmp_path / "x.png")])
+    assert e.value.code == 2 and not os.path.exists(tmp_path / "x.png")
+    assert "bf16-noamx-site-sym" in capsys.readouterr().err
+
 def test_fisher_and_the_overlap_by_hand():
     """Fisher's one-sided p by hand: 0 of 3 zero-mean runs fell when 2 of 5 did, C(3,3)/C(5,3)
     = 1/10. The overlap: runs of each kind inside the window where both kinds ran."""
