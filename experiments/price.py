@@ -4,10 +4,9 @@ bf16 trainer over 512 teacher-forced held-out sequences (sites.teacher_forced), 
 back to back in each round, each round starting one trainer later: plain bf16, the sites' hooks
 alone (bf16-site-rne: torch's cast at the sites, no arithmetic changed), the cheap fix
 (bf16-site-trunc; --mode another of sites.py's rules) and the engine's own kernels
-(bf16-aligned). The first round warms up and is
-dropped. In each later round every trainer's time is read over plain bf16's in that round, so
-drift between rounds cancels; the reading is the median of those ratios over the rounds, with
-their quartiles:
+(bf16-aligned). The first round warms up and is dropped. In each later round every trainer's
+time is read over plain bf16's in that round, so drift between rounds cancels; the reading is
+the median of those ratios over the rounds, with their quartiles:
 
     hooks        bf16-site-rne / bf16
     arithmetic   bf16-site-trunc / bf16-site-rne      (or bf16-site-MODE's)
