@@ -97,9 +97,9 @@ for _plan, _step in (("swap", SWAP_STEP), ("swap-late", LATE_SWAP)):
 # nudge3of8 and nudge7of16, its doses (nudgedose.md, nudgedose316.md, nudgedose-amd.md), and nudge
 # at the trainer's matmuls instead of the two sites (matmulnudge.md), sym at the LM head alone and
 # the nudge at the blocks' linears alone (headnudge.md), and the cheap fix's sign with a zero-mean
-# step added, 1 or 2 ulp (truncpm-amd.md), and at half the values (truncdose-amd.md); without AMX
-# the four modes against its own library (bf16's control). nudge and the blocks' nudge against the
-# rounding engine too (AMX hidden: their cost).
+# step added, 1 or 2 ulp (truncpm-amd.md), and at half or a quarter of the values
+# (truncdose-amd.md); without AMX the four modes against its own library (bf16's control). nudge and
+# the blocks' nudge against the rounding engine too (AMX hidden: their cost).
 PLANS["sites"] = [("gspo-engine", ["bf16-noamx", *(f"bf16-noamx-site-{m}" for m in SITE_MODES),
                                    "bf16-noamx-site-nudge", "bf16-noamx-blocks-nudge",
                                    "bf16", "bf16-aligned", *(f"bf16-site-{m}" for m in SITE_MODES),
@@ -111,7 +111,7 @@ PLANS["sites"] = [("gspo-engine", ["bf16-noamx", *(f"bf16-noamx-site-{m}" for m 
                                    "bf16-trunc-site-nudge7of16", "bf16-trunc-matmul-nudge",
                                    "bf16-trunc-head-sym", "bf16-trunc-blocks-nudge",
                                    "bf16-trunc-site-truncpm", "bf16-trunc-site-truncpm2",
-                                   "bf16-trunc-site-trunc1of2"])]
+                                   "bf16-trunc-site-trunc1of2", "bf16-trunc-site-trunc1of4"])]
 # Then grpo for the variants that fell in gspo-engine (sites.md), five seeds, with their control;
 # without AMX, the two that fell against the chip's own library, bf16 their control (where that
 # library truncates, bf16-site-trunc is the cheap fix: it runs in grpo if it fell; sites-xeon.md).

@@ -21,6 +21,7 @@ cast's: the gradient cast back to float32, unchanged):
     truncpm     toward zero, then 1 ulp up or down by hash       -1/2 ulp (size)   1 ulp
     truncpm2    toward zero, then 2 ulp up or down by hash       -1/2 ulp (size)   2 ulp
     trunc1of2   toward zero at half the values by hash, else rne -1/4 ulp (size)   3/8 ulp
+    trunc1of4   toward zero at a quarter of them by hash, else rne -1/8 ulp (size)  5/16 ulp
 
 and modes that leave the two sites at rne and round elsewhere, where the engine's linears round
 to nearest too (AT_MATMULS): nudge-matmuls, nudge's rule at the output of every matmul of the
@@ -34,17 +35,17 @@ trainer's log-probs from rne's: redraw.py.
 So the four after rne have the same mean |error| at the op, and only the sign's structure
 differs: trunc and away one-signed in size, rne6 and sym zero-mean. rne5 is a size dial:
 zero-mean at twice their error, for where one-signed errors add up to a larger token mismatch
-than zero-mean ones of the same size at the op (the 7M GPT, scale-rne5.md). nudge is the
-neutral change (symredraw.md): rne's rule, a quarter of the values a step the other way (those
-within 1/4 ulp of a tie, pushed across it by the coin), so 1.25x rne's error: the trainer's path
-drawn again at about its own error size. A push of p ulp moves a share p of the values and adds
-p^2 ulp to the mean |error|: its doses, nudge8 and nudge16, move 1/8 and 1/16 of them at 1.06x
-and 1.016x rne's error (nudgedose.md), nudge3of16 3/16 of them at 1.14x (nudgedose316.md),
-nudge3of8 and nudge7of16 3/8 and 7/16 of them at 1.56x and 1.77x (nudgedose-amd.md).
-truncpm and truncpm2 keep truncation's one-signed error and add a zero-mean step: against a
-truncating engine, the cheap fix's sign with a larger mismatch (truncpm-amd.md). Zero,
-values below the step and infinities do not move (no step crosses zero or into NaN). trunc1of2
-is the cheap fix's dose: its rule at half the values, rne's at the rest (truncdose-amd.md).
+than zero-mean ones of the same size at the op (the 7M GPT, scale-rne5.md). nudge is the neutral
+change (symredraw.md): rne's rule, a quarter of the values a step the other way (those within
+1/4 ulp of a tie, pushed across it by the coin), so 1.25x rne's error: the trainer's path drawn
+again at about its own error size. A push of p ulp moves a share p of the values and adds p^2
+ulp to the mean |error|: its doses, nudge8 and nudge16, move 1/8 and 1/16 of them at 1.06x and
+1.016x rne's error (nudgedose.md), nudge3of16 3/16 of them at 1.14x (nudgedose316.md), nudge3of8
+and nudge7of16 3/8 and 7/16 of them at 1.56x and 1.77x (nudgedose-amd.md). truncpm and truncpm2
+keep truncation's one-signed error and add a zero-mean step: against a truncating engine, the
+cheap fix's sign with a larger mismatch (truncpm-amd.md). Zero, values below the step and
+infinities do not move (no step crosses zero or into NaN). trunc1of2 and trunc1of4 are the cheap
+fix's doses: its rule at half or a quarter of the values, rne's at the rest (truncdose-amd.md).
 
     python experiments/campaign.py --arms gspo-engine --variants bf16-site-trunc --seeds 0 1
 

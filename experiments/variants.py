@@ -176,8 +176,8 @@ NUDGE_PUSH = {"nudge": 1 / 4, "nudge8": 1 / 8, "nudge16": 1 / 16, "nudge3of16": 
 # truncation's one-signed error kept and a zero-mean one added against a truncating engine
 TRUNC_STEP = {"truncpm": 1, "truncpm2": 2}
 # truncation's dose: the share of the values the trainer truncates like the engine (by the coin),
-# the rest to nearest: half of the cheap fix's sign matched, half of its one-signed error
-TRUNC_SHARE = {"trunc1of2": 1 / 2}
+# the rest to nearest: a share p of its sign matched, 1 - p of its one-signed difference left
+TRUNC_SHARE = {"trunc1of2": 1 / 2, "trunc1of4": 1 / 4}
 # Modes that leave the two sites at rne and round the trainer's matmul outputs by a rule instead,
 # where the engine rounds to nearest too: mode -> (the rule, where: "every" matmul but the
 # attention's, the blocks' linears and the LM head, the "head" alone, or the "blocks'" linears
@@ -228,8 +228,10 @@ for _mode, _color in (("truncpm", "lightseagreen"), ("truncpm2", "darkturquoise"
     add(Variant(f"bf16-trunc-site-{_mode}", BF16, library=TRUNCATING, site_rounding=_mode,
                 needs=("avx512_bf16",), color=_color))
 # The cheap fix at half the values (truncdose-amd.md): its sign half matched. All or a grade?
-add(Variant("bf16-trunc-site-trunc1of2", BF16, library=TRUNCATING, site_rounding="trunc1of2",
-            needs=("avx512_bf16",), color="mediumaquamarine"))
+# trunc1of4, at a quarter of them (the same page): where half held in every seed, a grade below?
+for _mode, _color in (("trunc1of2", "mediumaquamarine"), ("trunc1of4", "aquamarine")):
+    add(Variant(f"bf16-trunc-site-{_mode}", BF16, library=TRUNCATING, site_rounding=_mode,
+                needs=("avx512_bf16",), color=_color))
 # nudge's rule at the trainer's matmul outputs, the two sites left at rne (matmulnudge.md): does
 # changing the forward where the engine rounds to nearest lift as nudge at the two sites did?
 add(Variant("bf16-trunc-matmul-nudge", BF16, library=TRUNCATING, site_rounding="nudge-matmuls",

@@ -68,9 +68,9 @@ def test_trunc_clears_the_low_16_bits_of_every_kind_of_pattern():
 
 def as_it_was(pats, mode):
     """sites.round_bits's arithmetic as it was before the int32 form, in NumPy on uint64
-    patterns: each pattern widened, the adds carried, the result masked to 32 bits (trunc1of2,
-    which came after, written the same way). The modes' constants are sites.py's; the arithmetic
-    is written again here, not shared."""
+    patterns: each pattern widened, the adds carried, the result masked to 32 bits (the shares,
+    trunc1of2 and trunc1of4, which came after, written the same way). The modes' constants are
+    sites.py's; the arithmetic is written again here, not shared."""
     b, low, wide = pats.astype(np.uint64), np.uint64(0xFFFF), np.uint64(2 ** 64 - 1)
     u = np.uint64
 
@@ -138,8 +138,9 @@ def test_each_modes_error_has_the_tables_mean_and_mean_abs():
     nudge, the neutral change, 5/16 and unbiased, a quarter of the values off rne's; its doses,
     nudge8 17/64 (17/16 of rne's), an eighth off, nudge16 65/256 (65/64), a sixteenth off, and
     nudge3of16 73/256 (73/64), 3/16 off, nudge3of8 25/64 (25/16), 3/8 off, and nudge7of16
-    113/256 (113/64), 7/16 off; trunc1of2, truncation at half the values and rne at the rest,
-    -1/4 ulp in size and 3/8 of |error|, each value one of the two, a quarter off each."""
+    113/256 (113/64), 7/16 off; truncation at a share p of the values and rne at the rest,
+    -p/2 ulp in size and (1 + p)/4 of |error|, each value one of the two, p/2 off rne's and
+    (1 - p)/2 off trunc's: trunc1of2 (p 1/2: -1/4, 3/8) and trunc1of4 (p 1/4: -1/8, 5/16)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(10 ** 6, generator=g) * torch.exp(2 * torch.randn(10 ** 6, generator=g))
     ulp = torch.pow(2.0, torch.floor(torch.log2(x.abs())) - 7)
@@ -148,6 +149,7 @@ def test_each_modes_error_has_the_tables_mean_and_mean_abs():
              "nudge7of16": (7 / 16, 113 / 256)}  # share, mean |error|
     want = {"rne": (0.0, 0.25), "trunc": (-0.5, 0.5), "away": (0.5, 0.5), "rne6": (0.0, 0.5),
             "sym": (0.0, 0.5), "rne5": (0.0, 1.0), "trunc1of2": (-0.25, 0.375),
+            "trunc1of4": (-0.125, 0.3125),
             **{m: (0.0, e) for m, (_, e) in doses.items()}}
     rounded = {mode: sites.round_to_bf16(x, mode) for mode in want}  # each mode once
     error = {}  # each mode's mean |error| in ulp, read again below for nudge's ratios
@@ -158,10 +160,12 @@ def test_each_modes_error_has_the_tables_mean_and_mean_abs():
         assert error[mode].item() == pytest.approx(mean_abs, abs=0.01), mode
     up = rounded["sym"].float().abs() > x.abs()
     assert up.float().mean().item() == pytest.approx(0.5, abs=0.01)  # half each way
-    half = rounded["trunc1of2"]  # each value trunc's or rne's, a quarter off each
-    assert ((half == rounded["trunc"]) | (half == rounded["rne"])).all()
-    for mode in ("trunc", "rne"):
-        assert (half != rounded[mode]).float().mean().item() == pytest.approx(0.25, abs=0.01)
+    for mode, p in {"trunc1of2": 1 / 2, "trunc1of4": 1 / 4}.items():  # trunc's or rne's
+        dosed = rounded[mode]
+        assert ((dosed == rounded["trunc"]) | (dosed == rounded["rne"])).all(), mode
+        for other, off in (("rne", p / 2), ("trunc", (1 - p) / 2)):
+            moved = (dosed != rounded[other]).float().mean().item()
+            assert moved == pytest.approx(off, abs=0.005), (mode, other)
     for mode, (share, mean_abs) in doses.items():
         moved = rounded[mode] != rounded["rne"]
         assert moved.float().mean().item() == pytest.approx(share, abs=0.002), mode

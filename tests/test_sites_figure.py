@@ -228,6 +228,7 @@ def test_each_variants_control_is_its_record_with_the_trainer_as_it_is():
              "bf16-trunc-site-nudge8": "bf16-trunc", "bf16-trunc-site-nudge3of16": "bf16-trunc",
              "bf16-trunc-site-nudge3of8": "bf16-trunc",
              "bf16-trunc-site-nudge7of16": "bf16-trunc",
-             "bf16-trunc-site-trunc1of2": "bf16-trunc", "bf16": None,
+             "bf16-trunc-site-trunc1of2": "bf16-trunc",
+             "bf16-trunc-site-trunc1of4": "bf16-trunc", "bf16": None,
              "bf16-trunc": None}
     assert {v: sites_figure.control_of(v) for v in pairs} == pairs
