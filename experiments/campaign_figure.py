@@ -8,7 +8,8 @@ experiments/campaign_figure.py: RL over seeds, paired. The campaign's runs of on
     python experiments/campaign_figure.py $AMD --out figures/campaign-amd.png
     python experiments/campaign_figure.py $XEON --out figures/campaign.png
     python experiments/campaign_figure.py $AMX --arms gspo-engine --seeds 0 1 2 3 4 5 6 7 \
-        --variants fp16 bf16 fp32 bf16-head32 bf16-engine32 bf16-aligned --out figures/campaign-amx.png
+        --variants fp16 bf16 fp32 bf16-head32 bf16-engine32 bf16-aligned \
+        --out figures/campaign-amx.png
 
 Per arm and variant: the training reward, the held-out accuracy, the per-token mismatch and
 the clipped shares by the sign of A, over the steps (mean over seeds, its s.e. shaded); then

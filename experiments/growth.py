@@ -10,7 +10,8 @@ policies (and its warm start), each probed in bf16 and in fp16 (mismatch.py --qu
     python experiments/growth.py $AMD/step8 --out figures/growth-step8-amd.png
     python experiments/growth.py $XEON --out figures/growth.png
     python experiments/growth.py $AMX --arms gspo-engine --seeds 0 1 2 3 4 5 6 7 \
-        --variants fp16 bf16 fp32 bf16-head32 bf16-engine32 bf16-aligned --out figures/growth-amx.png
+        --variants fp16 bf16 fp32 bf16-head32 bf16-engine32 bf16-aligned \
+        --out figures/growth-amx.png
 
 Per arm and variant over the steps: the per-token mismatch, its rise within buckets of pi and
 from tokens changing bucket (results.decompose: growth - 1 = within + shift), the entropy, the

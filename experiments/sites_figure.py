@@ -227,8 +227,8 @@ def matched(path, folder="sites"):
     print(f"\nbf16 on {ckpt}, {len(rows)} readings of the same tokens (sha1 {sha}): mean |d| "
           "over the trainer's trunc against the rounding engine, and over the truncating engine "
           "against the rounding trainer\n")
-    print("| engine | trainer's sites | mean \\|d\\| | signed mean d | over trunc's | to match: x | "
-          "over the engine's truncation |\n|---|---|---|---|---|---|---|")
+    print("| engine | trainer's sites | mean \\|d\\| | signed mean d | over trunc's | to match: x "
+          "| over the engine's truncation |\n|---|---|---|---|---|---|---|")
     out = {}
     for (engine, mode), r in sorted(rows.items(), key=lambda kv: (kv[0][0] != "rounding",
                                                                    MODES.index(kv[0][1]))):
